@@ -1,0 +1,1 @@
+"""Packaged per-GPU default policies (YAML), read through importlib.resources."""

@@ -1,0 +1,110 @@
+"""The chunk geometry a strategy decides and the driver runs, validated against its problem."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from flce_policy.problem import Problem
+from flce_policy.units import cdiv, format_bytes
+
+__all__ = ["Geometry"]
+
+
+class Geometry(BaseModel):
+    """How the BT x V logits are walked: row chunks of ``chunk_size`` and vocab tiles of ``vocab_chunk``.
+
+    A row-only geometry has ``vocab_chunk == problem.vocab`` (one vocab tile); the slab, the logits
+    buffer one step holds, is ``[chunk_size, vocab_chunk]`` of the problem's dtype.
+    Build one with :meth:`for_problem`; direct construction is validated the same way and an
+    inconsistent field is an error, never silently corrected.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    problem: Problem
+    chunk_size: int = Field(description="token rows per chunk")
+    num_chunks: int = Field(description="cdiv(tokens, chunk_size)")
+    vocab_chunk: int = Field(description="vocab columns per tile; equals vocab for row-only geometry")
+    num_vocab_chunks: int = Field(description="cdiv(vocab, vocab_chunk)")
+    slab_bytes: int = Field(description="bytes of one [chunk_size, vocab_chunk] logits slab")
+    strategy: str = Field(default="manual", description="the strategy (with its parameters) that produced it")
+    rule: str | None = Field(default=None, description="the policy rule that chose the strategy, if any")
+
+    @classmethod
+    def for_problem(
+        cls,
+        problem: Problem,
+        chunk_size: int,
+        *,
+        vocab_chunk: int | None = None,
+        strategy: str = "manual",
+        rule: str | None = None,
+    ) -> Geometry:
+        """The geometry of ``chunk_size`` rows (and ``vocab_chunk`` columns, default all of V)."""
+        vocab_chunk = problem.vocab if vocab_chunk is None else vocab_chunk
+        _check_extent("chunk_size", chunk_size, problem.tokens, "tokens")
+        _check_extent("vocab_chunk", vocab_chunk, problem.vocab, "vocab")
+        return cls(
+            problem=problem,
+            chunk_size=chunk_size,
+            num_chunks=cdiv(problem.tokens, chunk_size),
+            vocab_chunk=vocab_chunk,
+            num_vocab_chunks=cdiv(problem.vocab, vocab_chunk),
+            slab_bytes=chunk_size * vocab_chunk * problem.itemsize,
+            strategy=strategy,
+            rule=rule,
+        )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Geometry:
+        p = self.problem
+        _check_extent("chunk_size", self.chunk_size, p.tokens, "tokens")
+        _check_extent("vocab_chunk", self.vocab_chunk, p.vocab, "vocab")
+        expected = {
+            "num_chunks": cdiv(p.tokens, self.chunk_size),
+            "num_vocab_chunks": cdiv(p.vocab, self.vocab_chunk),
+            "slab_bytes": self.chunk_size * self.vocab_chunk * p.itemsize,
+        }
+        for field, want in expected.items():
+            got = getattr(self, field)
+            if got != want:
+                raise ValueError(
+                    f"{field}={got} is inconsistent with chunk_size={self.chunk_size}, "
+                    f"vocab_chunk={self.vocab_chunk} for {p.describe()}: expected {want}"
+                )
+        return self
+
+    @property
+    def is_row_only(self) -> bool:
+        """True when every chunk spans the whole vocabulary."""
+        return self.vocab_chunk == self.problem.vocab
+
+    @property
+    def last_chunk_size(self) -> int:
+        """Rows in the final (possibly shorter) chunk."""
+        return self.problem.tokens - (self.num_chunks - 1) * self.chunk_size
+
+    def with_origin(self, *, strategy: str | None = None, rule: str | None = None) -> Geometry:
+        """A copy whose provenance fields are replaced (the shape is unchanged)."""
+        updates: dict[str, Any] = {}
+        if strategy is not None:
+            updates["strategy"] = strategy
+        if rule is not None:
+            updates["rule"] = rule
+        return self.model_copy(update=updates)
+
+    def describe(self) -> str:
+        tiles = "" if self.is_row_only else f" x {self.num_vocab_chunks} vocab tiles of {self.vocab_chunk}"
+        return (
+            f"{self.num_chunks} chunks of {self.chunk_size} rows{tiles}, "
+            f"slab {format_bytes(self.slab_bytes)} ({self.strategy})"
+        )
+
+
+def _check_extent(name: str, value: Any, limit: int, limit_name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if not 1 <= value <= limit:
+        raise ValueError(f"{name} must be between 1 and {limit_name}={limit}, got {value}")

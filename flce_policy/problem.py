@@ -1,0 +1,65 @@
+"""The shape of one fused linear cross-entropy call: BT token rows, hidden size H, vocab V."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Problem", "DTYPE_ITEMSIZE", "LogitsDType"]
+
+LogitsDType = Literal["bfloat16", "float16", "float32"]
+
+#: Bytes per logits element for each supported logits dtype: the one place slab sizes come from.
+DTYPE_ITEMSIZE: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
+
+class Problem(BaseModel):
+    """An FLCE problem: ``cross_entropy(x @ W.T, y)`` with x ``[tokens, hidden]`` and W ``[vocab, hidden]``.
+
+    ``dtype`` is the dtype the logits are computed in (the input dtype).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tokens: int = Field(ge=1, description="BT, the number of token rows (leading dims flattened)")
+    hidden: int = Field(ge=1, description="H, the hidden size")
+    vocab: int = Field(ge=1, description="V, the vocabulary size (rows of the LM head)")
+    dtype: LogitsDType = "bfloat16"
+
+    def __init__(self, tokens: int, hidden: int, vocab: int, dtype: Any = "bfloat16", **kw: Any) -> None:
+        super().__init__(tokens=tokens, hidden=hidden, vocab=vocab, dtype=dtype, **kw)
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _normalise_dtype(cls, value: Any) -> Any:
+        if value.__class__.__name__ == "dtype" and str(value).startswith("torch."):
+            value = str(value).removeprefix("torch.")
+        if isinstance(value, str):
+            value = _DTYPE_ALIASES.get(value.lower(), value.lower())
+        return value
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per logits element."""
+        return DTYPE_ITEMSIZE[self.dtype]
+
+    @classmethod
+    def from_tensors(cls, input: torch.Tensor, weight: torch.Tensor) -> Problem:
+        """The problem of ``input [..., H]`` against LM head ``weight [V, H]``."""
+        if weight.dim() != 2:
+            raise ValueError(f"weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
+        if input.dim() < 1 or input.shape[-1] != weight.shape[1]:
+            raise ValueError(
+                f"input's last dim must equal weight's hidden size {weight.shape[1]}, got input shape {tuple(input.shape)}"
+            )
+        tokens = input.numel() // input.shape[-1] if input.shape[-1] else 0
+        return cls(tokens=tokens, hidden=weight.shape[1], vocab=weight.shape[0], dtype=input.dtype)
+
+    def describe(self) -> str:
+        return f"BT={self.tokens} H={self.hidden} V={self.vocab} {self.dtype}"

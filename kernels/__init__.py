@@ -1,0 +1,1 @@
+"""Triton kernels and the chunk driver that runs a validated Geometry."""

@@ -1,0 +1,18 @@
+"""Pluggable chunk strategies: each decides the row chunk size for a (problem, device)."""
+
+from .base import ChunkStrategy, StrategyError
+from .fixed_chunk_size import FixedChunkSize
+from .heuristic_c import HeuristicC
+from .registry import BUILTIN_STRATEGIES, strategy_class, strategy_from_config
+from .slab_budget import SlabBudget
+
+__all__ = [
+    "ChunkStrategy",
+    "StrategyError",
+    "HeuristicC",
+    "FixedChunkSize",
+    "SlabBudget",
+    "BUILTIN_STRATEGIES",
+    "strategy_class",
+    "strategy_from_config",
+]

@@ -1,0 +1,84 @@
+"""The strategy contract: one method that picks a chunk size; the base class does the rest."""
+
+from __future__ import annotations
+
+import inspect
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+from flce_policy.device import DeviceInfo
+from flce_policy.geometry import Geometry
+from flce_policy.problem import Problem
+from flce_policy.units import prev_pow2
+
+__all__ = ["ChunkStrategy", "StrategyError"]
+
+
+class StrategyError(ValueError):
+    """A strategy's parameters or its answer are invalid."""
+
+
+class ChunkStrategy(ABC):
+    """Decides the row chunk size for a (problem, device).
+
+    Like a scikit-learn estimator, ``__init__`` only stores its keyword parameters under their
+    own names, so :meth:`get_params` and the YAML round-trip see exactly what the user wrote.
+    Subclasses implement :meth:`pick_chunk_size`; :meth:`geometry` floors the answer to a power of
+    two, clamps it to the token count and validates the result.
+    """
+
+    #: Short name used in YAML (``strategy: heuristic_c``); user subclasses may leave it unset
+    #: and are then referred to by import path.
+    name: ClassVar[str | None] = None
+
+    @abstractmethod
+    def pick_chunk_size(self, problem: Problem, device: DeviceInfo) -> int:
+        """Rows per chunk wanted for ``problem`` on ``device`` (>= 1; need not be a power of two)."""
+
+    def validate_params(self) -> None:
+        """Raise :class:`StrategyError` if a parameter is invalid. Called before any geometry."""
+
+    def geometry(self, problem: Problem, device: DeviceInfo, *, rule: str | None = None) -> Geometry:
+        """The validated geometry this strategy gives for ``problem`` on ``device``."""
+        self.validate_params()
+        wanted = self.pick_chunk_size(problem, device)
+        if isinstance(wanted, bool) or not isinstance(wanted, int):
+            raise StrategyError(f"{self!r}.pick_chunk_size() must return an int, got {wanted!r}")
+        if wanted < 1:
+            raise StrategyError(
+                f"{self!r} asked for chunk_size={wanted} for {problem.describe()}; a chunk needs at least 1 row"
+            )
+        chunk = min(prev_pow2(wanted), problem.tokens)
+        return Geometry.for_problem(problem, chunk, strategy=repr(self), rule=rule)
+
+    @classmethod
+    def _param_names(cls) -> list[str]:
+        signature = inspect.signature(cls.__init__)
+        return [
+            p.name
+            for p in signature.parameters.values()
+            if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
+
+    def get_params(self) -> dict[str, Any]:
+        """The constructor parameters, read back from the attributes of the same names."""
+        return {name: getattr(self, name) for name in self._param_names()}
+
+    @classmethod
+    def config_name(cls) -> str:
+        """How YAML names this strategy: its short name, else ``module:QualName``."""
+        return cls.name or f"{cls.__module__}:{cls.__qualname__}"
+
+    def to_config(self) -> dict[str, Any]:
+        """``{"strategy": name, **params}``, the YAML form that :func:`strategy_from_config` reads."""
+        return {"strategy": self.config_name(), **self.get_params()}
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in self.get_params().items())
+        return f"{type(self).__name__}({params})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.get_params() == self.get_params()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self), repr(self)))
