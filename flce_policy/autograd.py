@@ -1,0 +1,160 @@
+"""The autograd Function: reductions and gradient scaling around the chunk driver.
+
+For ``mean``/``sum`` the gradients are computed during forward (the slab is already there)
+and only rescaled by ``grad_output`` in backward. For ``none`` the per-token ``grad_output``
+must be folded into dL/dlogits before it is summed into grad_weight, so backward runs the
+chunks again with a per-row scale.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from flce_policy.geometry import Geometry
+from flce_policy.kernels.driver import CEParams, DriverOutputs, GradRequest, run_geometry
+from flce_policy.options import LossOptions
+
+__all__ = ["FLCEFunction"]
+
+
+def _ce_params(options: LossOptions) -> CEParams:
+    return CEParams(
+        ignore_index=options.ignore_index,
+        label_smoothing=float(options.label_smoothing),
+        softcap=None if options.softcap is None else float(options.softcap),
+        z_loss_scale=float(options.z_loss_scale),
+        track_argmax=options.return_token_accuracy,
+    )
+
+
+def _denominators(target: torch.Tensor, class_weight: torch.Tensor | None, ignore_index: int) -> torch.Tensor:
+    """``[sum of w_y, count]`` over non-ignored tokens.
+
+    The CE mean divides by the class weight mass of the non-ignored targets (as torch does), the
+    z-loss and accuracy by their count. Both stay on the device; an all-ignored batch divides a
+    zero sum by a clamped denominator, giving 0 instead of torch's NaN.
+    """
+    valid = target != ignore_index
+    count = valid.sum(dtype=torch.float32)
+    if class_weight is None:
+        mass = count
+    else:
+        mass = torch.where(valid, class_weight[target.clamp(min=0)], 0.0).sum()
+    return torch.stack([mass, count])
+
+
+class FLCEFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        target: torch.Tensor,
+        class_weight: torch.Tensor | None,
+        geometry: Geometry | None,
+        options: LossOptions,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        want = GradRequest(
+            input=ctx.needs_input_grad[0],
+            weight=ctx.needs_input_grad[1],
+            bias=bias is not None and ctx.needs_input_grad[2],
+            accum_dtype=options.accum_dtype,
+        )
+        params = _ce_params(options)
+        denominators = _denominators(target, class_weight, options.ignore_index)
+        # Only an empty denominator is replaced (a class-weight mass may legitimately be < 1).
+        safe_denominators = torch.where(denominators > 0, denominators, torch.ones_like(denominators))
+        in_forward = want if options.reduction != "none" else GradRequest()
+        grad_scale = None
+        if in_forward.any:
+            grad_scale = safe_denominators.reciprocal() if options.reduction == "mean" else torch.ones_like(denominators)
+
+        if geometry is None:  # empty input: no rows, nothing to run
+            out = _empty_outputs(x, weight, bias, in_forward)
+        else:
+            out = run_geometry(
+                x, weight, bias, target, geometry, params, in_forward, class_weight=class_weight, grad_scale=grad_scale
+            )
+
+        z_rows = out.z_loss_rows if out.z_loss_rows is not None else torch.zeros_like(out.loss_rows)
+        if options.reduction == "none":
+            loss = out.loss_rows + z_rows
+            z_loss = z_rows
+        elif options.reduction == "sum":
+            z_loss = z_rows.sum()
+            loss = out.loss_rows.sum() + z_loss
+        else:
+            z_loss = z_rows.sum() / safe_denominators[1]
+            loss = out.loss_rows.sum() / safe_denominators[0] + z_loss
+        if out.correct_rows is not None:
+            accuracy = out.correct_rows.sum() / safe_denominators[1]
+        else:
+            accuracy = torch.zeros((), dtype=torch.float32, device=x.device)
+        ctx.mark_non_differentiable(z_loss, accuracy)
+
+        ctx.options, ctx.geometry, ctx.want = options, geometry, want
+        if options.reduction == "none":
+            ctx.save_for_backward(x, weight, bias, target, class_weight)
+        else:
+            # Kept off save_for_backward and dropped in backward, so autograd can adopt the
+            # buffers as .grad without copying a parameter-sized tensor.
+            ctx.grads = (out.grad_input, out.grad_weight, out.grad_bias)
+        return loss, z_loss, accuracy
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        options: LossOptions = ctx.options
+        if options.reduction == "none":
+            grads = _recompute_grads(ctx, grad_loss)
+        else:
+            grads, ctx.grads = ctx.grads, None
+            if grads is None:
+                raise RuntimeError("fused_linear_cross_entropy: backward ran twice through the same call")
+            grads = _rescale(grads, grad_loss)
+        grad_input, grad_weight, grad_bias = grads
+        return grad_input, grad_weight, grad_bias, None, None, None, None
+
+
+def _rescale(saved: tuple[torch.Tensor | None, ...], grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    # One host read per backward: skipping a full pass over grad_weight when grad_output == 1
+    # (the usual loss.backward()) is worth more than the sync, which comes after all queued work.
+    if grad_loss.item() == 1.0:
+        return saved
+    return tuple(None if g is None else g * grad_loss.to(g.dtype) for g in saved)
+
+
+def _recompute_grads(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    x, weight, bias, target, class_weight = ctx.saved_tensors
+    if ctx.geometry is None:
+        return _empty_outputs(x, weight, bias, ctx.want)[3:]
+    row_scale = grad_loss.reshape(-1).to(torch.float32).contiguous()
+    out = run_geometry(
+        x,
+        weight,
+        bias,
+        target,
+        ctx.geometry,
+        _ce_params(ctx.options),
+        ctx.want,
+        class_weight=class_weight,
+        grad_scale=row_scale,
+        scale_per_row=True,
+    )
+    return out.grad_input, out.grad_weight, out.grad_bias
+
+
+def _empty_outputs(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, want: GradRequest
+) -> DriverOutputs:
+    empty = torch.zeros(0, dtype=torch.float32, device=x.device)
+    return DriverOutputs(
+        empty,
+        None,
+        None,
+        torch.zeros_like(x) if want.input else None,
+        torch.zeros_like(weight) if want.weight else None,
+        torch.zeros_like(bias) if want.bias and bias is not None else None,
+    )

@@ -1,0 +1,214 @@
+"""The public loss: ``fused_linear_cross_entropy`` and its ``nn.Module``.
+
+Checks the tensors (plain checks, clear messages), turns the policy into a Geometry once,
+and hands both to the autograd Function. Differences from ``F.cross_entropy`` on explicit
+logits are documented on :func:`fused_linear_cross_entropy`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from torch import nn
+
+from flce_policy.geometry import Geometry
+from flce_policy.options import LossOptions, Reduction
+from flce_policy.problem import Problem
+
+if TYPE_CHECKING:
+    from flce_policy.policy import FLCEPolicy
+    from flce_policy.strategies import ChunkStrategy
+
+__all__ = ["fused_linear_cross_entropy", "FusedLinearCrossEntropyLoss", "FLCEOutput"]
+
+
+
+class FLCEOutput(NamedTuple):
+    """Returned when ``return_z_loss`` or ``return_token_accuracy`` is set.
+
+    ``z_loss`` (already included in ``loss``) and ``token_accuracy`` (share of non-ignored tokens
+    whose argmax logit is the target) are detached, for logging; ``None`` when not requested.
+    """
+
+    loss: torch.Tensor
+    z_loss: torch.Tensor | None
+    token_accuracy: torch.Tensor | None
+
+
+def fused_linear_cross_entropy(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    policy: Any = None,
+    ignore_index: int = -100,
+    reduction: Reduction = "mean",
+    label_smoothing: float = 0.0,
+    softcap: float | None = None,
+    z_loss_scale: float = 0.0,
+    return_z_loss: bool = False,
+    return_token_accuracy: bool = False,
+    class_weight: torch.Tensor | None = None,
+    accum_dtype: torch.dtype | None = None,
+) -> torch.Tensor | FLCEOutput:
+    """``cross_entropy(input @ weight.T + bias, target)`` without materialising the logits.
+
+    Args:
+        input: ``[..., H]`` activations (leading dims are flattened into BT rows).
+        weight: ``[V, H]`` LM head (F.linear convention), same dtype and device as ``input``.
+        target: ``[...]`` integer class indices (``input.shape[:-1]``); ``ignore_index`` skips a row.
+        bias: optional ``[V]``.
+        policy: an :class:`FLCEPolicy` (default: ``FLCEPolicy.default()``, which honours
+            ``FLCE_POLICY_CONFIG``), a :class:`Geometry` for this exact problem, or a strategy.
+        softcap: logits become ``softcap * tanh(logits / softcap)`` before the loss.
+        z_loss_scale: adds ``z_loss_scale * logsumexp(logits)**2`` per non-ignored token, averaged
+            over the non-ignored tokens for ``mean`` (not class-weighted).
+        class_weight: ``[V]`` per-class weights as ``F.cross_entropy``'s ``weight``.
+        accum_dtype: ``torch.float32`` accumulates grad_weight over chunks in fp32.
+
+    Differences from ``F.cross_entropy``: the loss is float32 whatever the input dtype; ``mean``
+    over zero non-ignored tokens (all ignored, or empty input) is 0 with zero gradients, not NaN.
+    """
+    options = LossOptions(
+        ignore_index=ignore_index,
+        reduction=reduction,
+        label_smoothing=label_smoothing,
+        softcap=softcap,
+        z_loss_scale=z_loss_scale,
+        return_z_loss=return_z_loss,
+        return_token_accuracy=return_token_accuracy,
+        accum_dtype=accum_dtype,
+    )
+    x, target_flat, class_weight = _check_tensors(input, weight, target, bias, class_weight, options)
+    geometry = _geometry_for(policy, x, weight) if x.shape[0] else None
+
+    from flce_policy.autograd import FLCEFunction
+
+    loss, z_loss, accuracy = FLCEFunction.apply(x, weight, bias, target_flat, class_weight, geometry, options)
+    if reduction == "none":
+        loss, z_loss = loss.view(target.shape), z_loss.view(target.shape)
+    if not (return_z_loss or return_token_accuracy):
+        return loss
+    return FLCEOutput(loss, z_loss if return_z_loss else None, accuracy if return_token_accuracy else None)
+
+
+class FusedLinearCrossEntropyLoss(nn.Module):
+    """Module form of :func:`fused_linear_cross_entropy`; options are fixed at construction."""
+
+    def __init__(self, policy: Any = None, **options: Any) -> None:
+        super().__init__()
+        self.policy = policy
+        self.options = options
+        LossOptions(**{k: v for k, v in options.items() if k != "class_weight"})  # fail early on bad options
+
+    def forward(
+        self, input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor | FLCEOutput:
+        return fused_linear_cross_entropy(input, weight, target, bias, policy=self.policy, **self.options)
+
+    def extra_repr(self) -> str:
+        return ", ".join([f"policy={self.policy!r}"] + [f"{k}={v!r}" for k, v in self.options.items()])
+
+
+def _geometry_for(policy: Any, x: torch.Tensor, weight: torch.Tensor) -> Geometry:
+    from flce_policy.probe import device_for_tensor_device
+    from flce_policy.strategies import ChunkStrategy
+
+    if isinstance(policy, Geometry):
+        return policy  # checked against the tensors by the driver
+    problem = Problem(tokens=x.shape[0], hidden=x.shape[1], vocab=weight.shape[0], dtype=x.dtype)
+    device = device_for_tensor_device(x.device)
+    if isinstance(policy, ChunkStrategy):
+        return policy.geometry(problem, device)
+    from flce_policy.policy import FLCEPolicy
+
+    if policy is None:
+        policy = FLCEPolicy.default()
+    if isinstance(policy, FLCEPolicy):
+        return policy.resolve(problem, device)
+    raise TypeError(
+        f"policy must be an FLCEPolicy, a Geometry, a ChunkStrategy or None; got {type(policy).__name__}"
+    )
+
+
+def _check_tensors(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    options: LossOptions,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Validate shapes, dtypes, devices and target range; return flattened input/target and fp32 weights."""
+    for name, tensor in (("input", input), ("weight", weight), ("target", target)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
+    vocab, hidden = weight.shape
+    if input.dim() < 1 or input.shape[-1] != hidden:
+        raise ValueError(f"input must be [..., H] with H={hidden} (weight is [V={vocab}, H={hidden}]), got {tuple(input.shape)}")
+    if target.shape != input.shape[:-1]:
+        raise ValueError(f"target shape {tuple(target.shape)} must equal input.shape[:-1] = {tuple(input.shape[:-1])}")
+    if input.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"input dtype must be bfloat16, float16 or float32, got {input.dtype}")
+    if weight.dtype != input.dtype:
+        raise TypeError(f"weight dtype {weight.dtype} must equal input dtype {input.dtype}")
+    if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
+        raise TypeError(f"target must hold integer class indices, got dtype {target.dtype}")
+    if bias is not None:
+        if bias.shape != (vocab,):
+            raise ValueError(f"bias must be [V={vocab}], got {tuple(bias.shape)}")
+        if bias.dtype != input.dtype:
+            raise TypeError(f"bias dtype {bias.dtype} must equal input dtype {input.dtype}")
+    if class_weight is not None:
+        if not isinstance(class_weight, torch.Tensor) or class_weight.shape != (vocab,):
+            shape = tuple(class_weight.shape) if isinstance(class_weight, torch.Tensor) else type(class_weight).__name__
+            raise ValueError(f"class_weight must be a [V={vocab}] tensor, got {shape}")
+        if not class_weight.dtype.is_floating_point:
+            raise TypeError(f"class_weight must be floating point, got {class_weight.dtype}")
+        class_weight = class_weight.to(torch.float32).contiguous()
+    tensors = {"weight": weight, "target": target, "bias": bias, "class_weight": class_weight}
+    for name, tensor in tensors.items():
+        if tensor is not None and tensor.device != input.device:
+            raise ValueError(f"{name} is on {tensor.device} but input is on {input.device}")
+    _check_runnable_device(input.device)
+
+    x = input.reshape(-1, hidden)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    target_flat = target.reshape(-1).to(torch.int64)
+    if not target_flat.is_contiguous():
+        target_flat = target_flat.contiguous()
+    if target_flat.numel():
+        _check_target_range(target_flat, vocab, options.ignore_index)
+    return x, target_flat, class_weight
+
+
+def _check_target_range(target: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    # The one host sync of a forward call: a bad index must be a Python error, not a device assert.
+    bad = ((target < 0) | (target >= vocab)) & (target != ignore_index)
+    if bool(bad.any()):
+        first = target[bad][0].item()
+        raise ValueError(
+            f"target holds index {first}, outside [0, V={vocab}) and not ignore_index={ignore_index}"
+        )
+
+
+def _check_runnable_device(device: torch.device) -> None:
+    from flce_policy.kernels.ce_kernel import KERNELS_INTERPRETED
+
+    if device.type == "cuda" and not KERNELS_INTERPRETED:
+        return
+    if device.type == "cpu" and KERNELS_INTERPRETED:
+        return
+    if device.type == "cpu":
+        raise RuntimeError(
+            "fused_linear_cross_entropy runs Triton kernels: CPU tensors need TRITON_INTERPRET=1 set before "
+            "flce_policy's kernels are first imported (the Triton interpreter; slow, meant for tests)"
+        )
+    if device.type == "cuda":
+        raise RuntimeError("TRITON_INTERPRET=1 was set when the kernels were imported; CUDA tensors need it unset")
+    raise RuntimeError(f"unsupported device {device}: flce_policy needs a CUDA GPU (or CPU under TRITON_INTERPRET=1)")

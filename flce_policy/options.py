@@ -1,0 +1,46 @@
+"""The loss options, validated once and carried as one frozen object."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+__all__ = ["LossOptions", "Reduction"]
+
+Reduction = Literal["mean", "sum", "none"]
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """Keyword options of :func:`flce_policy.fused_linear_cross_entropy` (see there)."""
+
+    ignore_index: int = -100
+    reduction: Reduction = "mean"
+    label_smoothing: float = 0.0
+    softcap: float | None = None
+    z_loss_scale: float = 0.0
+    return_z_loss: bool = False
+    return_token_accuracy: bool = False
+    accum_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
+            raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
+        if self.reduction not in _REDUCTIONS:
+            raise ValueError(f"reduction must be one of {', '.join(_REDUCTIONS)}; got {self.reduction!r}")
+        if not _is_real(self.label_smoothing) or not 0.0 <= self.label_smoothing <= 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1], got {self.label_smoothing!r}")
+        if self.softcap is not None and (not _is_real(self.softcap) or not self.softcap > 0):
+            raise ValueError(f"softcap must be a positive finite number or None, got {self.softcap!r}")
+        if not _is_real(self.z_loss_scale) or self.z_loss_scale < 0:
+            raise ValueError(f"z_loss_scale must be a finite number >= 0, got {self.z_loss_scale!r}")
+        if self.accum_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"accum_dtype must be None, torch.float32, torch.bfloat16 or torch.float16; got {self.accum_dtype!r}")
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

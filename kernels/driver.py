@@ -1,0 +1,178 @@
+"""The chunk driver: runs one validated Geometry over the BT rows, exactly as given.
+
+Per chunk: logits = x_c @ W.T (+ b) into the reused slab; the CE kernel turns the slab into
+dL/dlogits in place; then grad_input_c = G @ W, grad_weight += G.T @ x_c, grad_bias += sum(G).
+The driver decides nothing about the geometry: it is handed one and runs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from flce_policy.geometry import Geometry
+
+from .ce_kernel import ce_rows
+
+__all__ = ["CEParams", "GradRequest", "DriverOutputs", "ChunkEvent", "run_geometry", "observe_chunks"]
+
+
+@dataclass(frozen=True)
+class CEParams:
+    """The cross-entropy options the kernel needs (validated upstream)."""
+
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+    softcap: float | None = None
+    z_loss_scale: float = 0.0
+    track_argmax: bool = False
+
+
+@dataclass(frozen=True)
+class GradRequest:
+    """Which gradients to produce; with none, the kernel only computes losses."""
+
+    input: bool = False
+    weight: bool = False
+    bias: bool = False
+    accum_dtype: torch.dtype | None = None  # grad_weight accumulator dtype; None = weight dtype
+
+    @property
+    def any(self) -> bool:
+        return self.input or self.weight or self.bias
+
+
+class DriverOutputs(NamedTuple):
+    loss_rows: torch.Tensor  # [BT] fp32, class-weighted CE per row (0 where ignored)
+    z_loss_rows: torch.Tensor | None  # [BT] fp32
+    correct_rows: torch.Tensor | None  # [BT] fp32, 1.0 where argmax == target
+    grad_input: torch.Tensor | None  # [BT, H], input dtype
+    grad_weight: torch.Tensor | None  # [V, H], weight dtype
+    grad_bias: torch.Tensor | None  # [V], bias dtype
+
+
+class ChunkEvent(NamedTuple):
+    """What one chunk iteration did, reported to observers (tests, profiling)."""
+
+    index: int
+    row_start: int
+    rows: int
+    slab_shape: tuple[int, int]
+    slab_bytes: int
+
+
+_observers: list[Callable[[ChunkEvent], None]] = []
+
+
+@contextmanager
+def observe_chunks() -> Iterator[list[ChunkEvent]]:
+    """Record every chunk iteration the driver runs inside the block."""
+    events: list[ChunkEvent] = []
+    _observers.append(events.append)
+    try:
+        yield events
+    finally:
+        _observers.remove(events.append)
+
+
+def _check_geometry(geometry: Geometry, x: torch.Tensor, weight: torch.Tensor) -> None:
+    p = geometry.problem
+    actual = (x.shape[0], x.shape[1], weight.shape[0], str(x.dtype).removeprefix("torch."))
+    if (p.tokens, p.hidden, p.vocab, p.dtype) != actual:
+        raise ValueError(
+            f"geometry was made for {p.describe()} but the tensors are BT={actual[0]} H={actual[1]} "
+            f"V={actual[2]} {actual[3]}; resolve a geometry for this problem"
+        )
+    if not geometry.is_row_only:
+        raise NotImplementedError(
+            f"vocab-tiled geometry (vocab_chunk={geometry.vocab_chunk} < V={p.vocab}) is not supported by this driver"
+        )
+
+
+def _accumulate_grad_weight(grad_weight: torch.Tensor, grad_logits: torch.Tensor, x_chunk: torch.Tensor) -> None:
+    """grad_weight += grad_logits.T @ x_chunk, written straight into the accumulator."""
+    if grad_weight.dtype == x_chunk.dtype:
+        grad_weight.addmm_(grad_logits.t(), x_chunk)
+    elif grad_weight.is_cuda:
+        # cuBLAS accumulates the low-precision product into the fp32 buffer (beta=1): no temporary.
+        torch.addmm(grad_weight, grad_logits.t(), x_chunk, out_dtype=grad_weight.dtype, out=grad_weight)
+    else:
+        # CPU (interpreter tests only, small shapes): no mixed-dtype GEMM there.
+        grad_weight.addmm_(grad_logits.t().to(grad_weight.dtype), x_chunk.to(grad_weight.dtype))
+
+
+def run_geometry(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    geometry: Geometry,
+    params: CEParams,
+    grads: GradRequest,
+    *,
+    class_weight: torch.Tensor | None = None,
+    grad_scale: torch.Tensor | None = None,
+    scale_per_row: bool = False,
+) -> DriverOutputs:
+    """Walk ``x [BT, H]`` in ``geometry.num_chunks`` chunks of ``geometry.chunk_size`` rows.
+
+    ``grad_scale`` multiplies dL/dlogits (``[scale_ce, scale_z]``, or per row with
+    ``scale_per_row``); it is required when ``grads.any``. The returned gradients are of the
+    scaled loss. No host synchronisation happens here.
+    """
+    _check_geometry(geometry, x, weight)
+    tokens, vocab = x.shape[0], weight.shape[0]
+    device, f32 = x.device, torch.float32
+    loss_rows = torch.empty(tokens, dtype=f32, device=device)
+    z_loss_rows = torch.empty(tokens, dtype=f32, device=device) if params.z_loss_scale else None
+    correct_rows = torch.empty(tokens, dtype=f32, device=device) if params.track_argmax else None
+    grad_input = torch.empty_like(x) if grads.input else None
+    accum_dtype = grads.accum_dtype or weight.dtype
+    grad_weight = torch.zeros(weight.shape, dtype=accum_dtype, device=device) if grads.weight else None
+    grad_bias = torch.zeros(vocab, dtype=f32, device=device) if grads.bias else None
+
+    chunk_size = geometry.chunk_size
+    slab = torch.empty((chunk_size, geometry.vocab_chunk), dtype=x.dtype, device=device)
+    weight_t = weight.t()
+    for index in range(geometry.num_chunks):
+        start = index * chunk_size
+        stop = min(start + chunk_size, tokens)
+        x_chunk, logits = x[start:stop], slab[: stop - start]
+        if bias is None:
+            torch.mm(x_chunk, weight_t, out=logits)
+        else:
+            torch.addmm(bias, x_chunk, weight_t, out=logits)
+        ce_rows(
+            logits,
+            target[start:stop],
+            loss_rows[start:stop],
+            ignore_index=params.ignore_index,
+            label_smoothing=params.label_smoothing,
+            softcap=params.softcap,
+            z_loss_scale=params.z_loss_scale,
+            class_weight=class_weight,
+            z_loss_rows=None if z_loss_rows is None else z_loss_rows[start:stop],
+            correct_rows=None if correct_rows is None else correct_rows[start:stop],
+            grad_scale=None if not grads.any else grad_scale[start:stop] if scale_per_row else grad_scale,
+            scale_per_row=scale_per_row,
+        )
+        if grad_input is not None:
+            torch.mm(logits, weight, out=grad_input[start:stop])
+        if grad_weight is not None:
+            _accumulate_grad_weight(grad_weight, logits, x_chunk)
+        if grad_bias is not None:
+            grad_bias += logits.sum(dim=0, dtype=f32)
+        if _observers:
+            event = ChunkEvent(index, start, stop - start, tuple(slab.shape), slab.numel() * slab.element_size())
+            for observer in _observers:
+                observer(event)
+
+    if grad_weight is not None and grad_weight.dtype != weight.dtype:
+        grad_weight = grad_weight.to(weight.dtype)
+    if grad_bias is not None and bias is not None:
+        grad_bias = grad_bias.to(bias.dtype)
+    return DriverOutputs(loss_rows, z_loss_rows, correct_rows, grad_input, grad_weight, grad_bias)
