@@ -7,6 +7,8 @@ logits are documented on :func:`fused_linear_cross_entropy`.
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -125,12 +127,20 @@ def _geometry_for(policy: Any, x: torch.Tensor, weight: torch.Tensor) -> Geometr
     from flce_policy.policy import FLCEPolicy
 
     if policy is None:
-        policy = FLCEPolicy.default()
+        policy = _default_policy(os.environ.get("FLCE_POLICY_CONFIG"))
     if isinstance(policy, FLCEPolicy):
         return policy.resolve(problem, device)
     raise TypeError(
         f"policy must be an FLCEPolicy, a Geometry, a ChunkStrategy or None; got {type(policy).__name__}"
     )
+
+
+@functools.lru_cache(maxsize=4)
+def _default_policy(config_path: str | None) -> FLCEPolicy:
+    """``FLCEPolicy.default()`` loaded once per FLCE_POLICY_CONFIG value, not on every call."""
+    from flce_policy.policy import FLCEPolicy
+
+    return FLCEPolicy.default()
 
 
 def _check_tensors(

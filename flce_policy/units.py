@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 __all__ = ["cdiv", "next_pow2", "prev_pow2", "parse_bytes", "format_bytes"]
 
@@ -61,8 +62,10 @@ def parse_bytes(value: int | float | str) -> int:
                 f"cannot parse {value!r} as a byte size; use a number of bytes or a number "
                 "with a unit: B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (of 1024)"
             )
-        exact = float(match.group(1)) * _UNITS[unit]
-        size = int(round(exact))
+        exact = Decimal(match.group(1)) * _UNITS[unit]
+        if exact != exact.to_integral_value():
+            raise ValueError(f"a byte count must be whole, got {value!r} = {exact} bytes")
+        size = int(exact)
     else:
         raise ValueError(f"expected a byte size (int or string like '1GiB'), got {type(value).__name__}")
     if size < 0:

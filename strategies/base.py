@@ -15,7 +15,11 @@ __all__ = ["ChunkStrategy", "StrategyError"]
 
 
 class StrategyError(ValueError):
-    """A strategy's parameters or its answer are invalid."""
+    """A strategy's parameters or its answer are invalid; ``param`` names the parameter at fault."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ChunkStrategy(ABC):
@@ -52,7 +56,8 @@ class ChunkStrategy(ABC):
         return Geometry.for_problem(problem, chunk, strategy=repr(self), rule=rule)
 
     @classmethod
-    def _param_names(cls) -> list[str]:
+    def param_names(cls) -> list[str]:
+        """The constructor's parameter names: the keys a YAML entry may give beside ``strategy``."""
         signature = inspect.signature(cls.__init__)
         return [
             p.name
@@ -62,7 +67,7 @@ class ChunkStrategy(ABC):
 
     def get_params(self) -> dict[str, Any]:
         """The constructor parameters, read back from the attributes of the same names."""
-        return {name: getattr(self, name) for name in self._param_names()}
+        return {name: getattr(self, name) for name in self.param_names()}
 
     @classmethod
     def config_name(cls) -> str:

@@ -20,7 +20,7 @@ class FixedChunkSize(ChunkStrategy):
     def validate_params(self) -> None:
         value = self.chunk_size
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise StrategyError(f"fixed_chunk_size: chunk_size must be a positive integer, got {value!r}")
+            raise StrategyError(f"fixed_chunk_size: chunk_size must be a positive integer, got {value!r}", param="chunk_size")
 
     def pick_chunk_size(self, problem: Problem, device: DeviceInfo) -> int:
         return self.chunk_size

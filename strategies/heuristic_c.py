@@ -24,7 +24,7 @@ class HeuristicC(ChunkStrategy):
 
     def validate_params(self) -> None:
         if isinstance(self.c, bool) or not isinstance(self.c, int) or self.c < 1:
-            raise StrategyError(f"heuristic_c: c must be a positive integer, got {self.c!r}")
+            raise StrategyError(f"heuristic_c: c must be a positive integer, got {self.c!r}", param="c")
 
     def pick_chunk_size(self, problem: Problem, device: DeviceInfo) -> int:
         inc_factor = cdiv(problem.vocab, self.c * problem.hidden)

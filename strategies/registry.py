@@ -51,12 +51,17 @@ def strategy_from_config(config: dict[str, Any]) -> ChunkStrategy:
     if name is None:
         raise StrategyError("missing key 'strategy'")
     cls = strategy_class(name)
-    accepted = cls._param_names()
+    accepted = cls.param_names()
     unknown = sorted(set(params) - set(accepted))
     if unknown:
         raise StrategyError(
-            f"strategy {name!r} got unknown parameter(s) {', '.join(unknown)}; it accepts: {', '.join(accepted) or 'none'}"
+            f"strategy {name!r} got unknown parameter(s) {', '.join(unknown)}; it accepts: {', '.join(accepted) or 'none'}",
+            param=unknown[0],
         )
+    signature = inspect.signature(cls.__init__)
+    for key in accepted:
+        if key not in params and signature.parameters[key].default is inspect.Parameter.empty:
+            raise StrategyError(f"{name}: required parameter {key!r} is missing", param=key)
     try:
         strategy = cls(**params)
     except TypeError as err:

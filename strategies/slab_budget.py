@@ -27,11 +27,11 @@ class SlabBudget(ChunkStrategy):
         try:
             return parse_bytes(self.max_slab)
         except ValueError as err:
-            raise StrategyError(f"slab_budget: max_slab: {err}") from None
+            raise StrategyError(f"slab_budget: max_slab: {err}", param="max_slab") from None
 
     def validate_params(self) -> None:
         if self.max_slab_bytes == 0:
-            raise StrategyError("slab_budget: max_slab must be positive, got 0")
+            raise StrategyError("slab_budget: max_slab must be positive, got 0", param="max_slab")
 
     def pick_chunk_size(self, problem: Problem, device: DeviceInfo) -> int:
         row_bytes = problem.vocab * problem.itemsize

@@ -1,0 +1,164 @@
+"""The methods the suite compares; each builds a fwd+bwd step over shared inputs.
+
+A method's ``build`` returns a zero-argument step, or raises :class:`Unavailable` with the
+reason (peer not installed, not enough memory) so the row says why it is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["Inputs", "Method", "Unavailable", "default_methods", "make_inputs"]
+
+Step = Callable[[], None]
+
+
+class Unavailable(Exception):
+    """A method cannot run here; the message says why."""
+
+
+@dataclass
+class Inputs:
+    x: torch.Tensor  # [BT, H]
+    weight: torch.Tensor  # [V, H]
+    target: torch.Tensor  # [BT]
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.x.shape[0], self.x.shape[1], self.weight.shape[0])
+
+
+def make_inputs(tokens: int, hidden: int, vocab: int, *, logit_std: float, dtype=torch.bfloat16, seed=0) -> Inputs:
+    """x ~ N(0, 1), W scaled so x @ W.T has std ``logit_std``; ~1% of targets ignored."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen, dtype=dtype)
+    weight = torch.randn(vocab, hidden, device="cuda", generator=gen, dtype=dtype) * (logit_std / hidden**0.5)
+    target = torch.randint(0, vocab, (tokens,), device="cuda", generator=gen)
+    target[torch.rand(tokens, device="cuda", generator=gen) < 0.01] = -100
+    return Inputs(x, weight, target)
+
+
+def _leaf_step(inputs: Inputs, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Step:
+    """fwd+bwd with x and W requiring grad; gradients dropped after each call."""
+    x = inputs.x.detach().requires_grad_()
+    weight = inputs.weight.detach().requires_grad_()
+
+    def step() -> None:
+        loss = loss_fn(x, weight)
+        loss.backward()
+        x.grad = None
+        weight.grad = None
+
+    return step
+
+
+@dataclass(frozen=True)
+class Method:
+    """One row of the benchmark: ``family`` groups rows in the plot, ``chunk_size`` when fixed."""
+
+    name: str
+    family: str
+    build: Callable[[Inputs], Step]
+    chunk_size: int | None = None
+    accum: str = "bf16"
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def gemm_floor(inputs: Inputs) -> Step:
+    """x @ W.T, G @ W, G.T @ x with cuBLAS: what any logits-materialising FLCE must run."""
+    x, weight = inputs.x, inputs.weight
+    tokens, vocab = x.shape[0], weight.shape[0]
+    logits = torch.empty(tokens, vocab, device=x.device, dtype=x.dtype)
+    grad_logits = torch.randn(tokens, vocab, device=x.device, dtype=x.dtype)
+    grad_x, grad_w = torch.empty_like(x), torch.empty_like(weight)
+
+    def step() -> None:
+        torch.mm(x, weight.t(), out=logits)
+        torch.mm(grad_logits, weight, out=grad_x)
+        torch.mm(grad_logits.t(), x, out=grad_w)
+
+    return step
+
+
+def ours(policy_factory: Callable[[Inputs], Any], accum_dtype: torch.dtype | None = None) -> Callable[[Inputs], Step]:
+    def build(inputs: Inputs) -> Step:
+        from flce_policy import fused_linear_cross_entropy
+
+        policy = policy_factory(inputs)
+        return _leaf_step(
+            inputs,
+            lambda x, w: fused_linear_cross_entropy(x, w, inputs.target, policy=policy, accum_dtype=accum_dtype),
+        )
+
+    return build
+
+
+def liger(chunk_mem_const: int, accum_dtype: torch.dtype | None = None) -> Callable[[Inputs], Step]:
+    def build(inputs: Inputs) -> Step:
+        if importlib.util.find_spec("liger_kernel") is None:
+            raise Unavailable("not installed")
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        return _leaf_step(
+            inputs,
+            lambda x, w: liger_fused_linear_cross_entropy(
+                x, w, inputs.target, chunk_mem_const=chunk_mem_const, accum_dtype=accum_dtype
+            ),
+        )
+
+    return build
+
+
+def cce(filter_eps: str | None = "auto") -> Callable[[Inputs], Step]:
+    def build(inputs: Inputs) -> Step:
+        if importlib.util.find_spec("cut_cross_entropy") is None:
+            raise Unavailable("not installed")
+        from cut_cross_entropy import linear_cross_entropy
+
+        return _leaf_step(
+            inputs,
+            lambda x, w: linear_cross_entropy(x, w, inputs.target, filter_eps=filter_eps, ignore_index=-100),
+        )
+
+    return build
+
+
+def eager(inputs: Inputs) -> Step:
+    tokens, vocab = inputs.shape[0], inputs.shape[2]
+    # bf16 logits + their fp32 copy + the fp32 softmax gradient + its bf16 cast
+    need = tokens * vocab * (2 + 4 + 4 + 2)
+    free, _ = torch.cuda.mem_get_info()
+    if need > 0.8 * free:
+        raise Unavailable(f"needs ~{need / 2**30:.0f} GiB of logits, {free / 2**30:.0f} GiB free")
+    return _leaf_step(inputs, lambda x, w: F.cross_entropy((x @ w.t()).float(), inputs.target))
+
+
+def default_methods(chunk_sizes: tuple[int, ...] = (256, 512, 1024, 2048, 4096)) -> list[Method]:
+    """The suite's rows: floor, ours (default policy and fixed chunks, bf16 and fp32 accumulation), peers."""
+    from flce_policy import FLCEPolicy
+    from flce_policy.strategies import FixedChunkSize
+
+    policy = FLCEPolicy.default()
+    f32 = torch.float32
+    methods = [Method("gemm_floor", "floor", gemm_floor)]
+    for accum, dtype in (("bf16", None), ("fp32", f32)):
+        methods.append(Method(f"ours_default_{accum}", "ours default", ours(lambda i: policy, dtype), accum=accum))
+        for chunk in (*chunk_sizes, None):
+            label = "one_chunk" if chunk is None else f"chunk{chunk}"
+
+            def fixed(inputs: Inputs, chunk: int | None = chunk) -> Any:
+                return FixedChunkSize(chunk or inputs.shape[0])
+
+            methods.append(Method(f"ours_{label}_{accum}", "ours fixed", ours(fixed, dtype), chunk_size=chunk, accum=accum))
+        for c in (1, 16):
+            methods.append(Method(f"liger_c{c}_{accum}", "liger", liger(c, dtype), accum=accum, options={"c": c}))
+    methods.append(Method("cce", "cce", cce()))
+    methods.append(Method("cce_nofilter", "cce", cce(None)))
+    methods.append(Method("eager", "eager", eager))
+    return methods

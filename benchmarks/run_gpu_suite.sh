@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The GPU half of the project, in one script, for the H200 the device tool lends:
+#   bash benchmarks/run_gpu_suite.sh [tests] [bench] [quick METHODS SHAPES...]
+# Expects wheels in .whl/ (ours, built with `python -m build --wheel -o .whl`, plus the peers
+# liger-kernel and cut-cross-entropy); installs them into /tmp/site and runs from outside the
+# checkout so the installed package (with its package-dir mapping) is what gets imported.
+set -uo pipefail
+repo=$(pwd)
+out=${OUT:-/tmp/flce-out}
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$repo"/.whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+cd /tmp || exit 1
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"
+status=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    tests)
+      TRITON_INTERPRET=0 FLCE_GPU_REPORT="$out/gpu_tests.jsonl" python3 -m pytest "$repo/tests" -m gpu -s -q -p no:cacheprovider \
+        --junitxml="$out/gpu_tests.xml" 2>&1 | tee "$out/gpu_tests.log" || status=1
+      shift ;;
+    bench)
+      python3 -m flce_policy.cli bench --out "$out" || status=1
+      shift ;;
+    quick)
+      python3 -m flce_policy.benchmarks.quick "$2" "${@:3}" 2>&1 | tee "$out/quick.log" || status=1
+      shift $# ;;
+    *) echo "unknown stage $1"; exit 2 ;;
+  esac
+done
+exit $status

@@ -1,0 +1,323 @@
+"""``flce-policy``: see what the probe sees, explain a decision, validate a policy file.
+
+User errors (bad YAML, unknown strategy or device, bad numbers) print one line per problem on
+stderr and exit 2, never a traceback. ``--json`` prints machine-readable JSON on stdout: for
+``explain`` one decision object (``chunk_size``, ``num_chunks``, ``slab_bytes``, ...) for one device,
+or ``{"problem", "policy", "decisions": [...]}`` for the known-GPU table. The active policy is
+``--config FILE``, else the file ``$FLCE_POLICY_CONFIG`` names, else the packaged default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import yaml
+from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
+
+from flce_policy.config import CONFIG_VERSION, ConfigError
+from flce_policy.device import KNOWN_GPUS, DeviceInfo
+from flce_policy.policy import CONFIG_ENV_VAR, FLCEPolicy
+from flce_policy.problem import Problem
+from flce_policy.strategies import BUILTIN_STRATEGIES, strategy_from_config
+from flce_policy.units import format_bytes
+
+__all__ = ["main", "MODEL_PRESETS"]
+
+
+class ModelPreset(NamedTuple):
+    vocab: int
+    hidden: int
+
+
+#: LM-head shapes (vocab V, hidden H) of common models, for ``--model``.
+MODEL_PRESETS: dict[str, ModelPreset] = {
+    "llama-3-8b": ModelPreset(128256, 4096),
+    "llama-3-70b": ModelPreset(128256, 8192),
+    "llama-3.1-405b": ModelPreset(128256, 16384),
+    "gemma-2-9b": ModelPreset(256000, 3584),
+    "gemma-3-27b": ModelPreset(262208, 5376),
+    "gemma-4-31b": ModelPreset(262144, 5376),
+    "qwen-2.5-7b": ModelPreset(152064, 3584),
+    "qwen-2.5-72b": ModelPreset(152064, 8192),
+    "mistral-7b": ModelPreset(32768, 4096),
+}
+DEFAULT_TOKENS = 8192
+_VALIDATE_MODEL = "gemma-4-31b"
+
+
+class _UsageError(Exception):
+    """A bad command line; main prints it on one line and exits 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        # argparse would print the whole usage block and exit; one line is easier to read and to test.
+        raise _UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (0 ok, 2 user error)."""
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(argv)
+        return args.run(args)
+    except SystemExit as exit_:  # --help
+        return exit_.code if isinstance(exit_.code, int) else 0
+    except _UsageError as err:
+        return _fail(str(err))
+    except ValidationError as err:
+        return _fail("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors()))
+    except (ValueError, OSError) as err:  # ConfigError and StrategyError are ValueErrors
+        return _fail(str(err))
+
+
+def _fail(message: str) -> int:
+    for line in message.splitlines() or [""]:
+        print(f"error: {line}", file=sys.stderr)
+    return 2
+
+
+# --- arguments -----------------------------------------------------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _build_parser() -> _Parser:
+    parser = _Parser(prog="flce-policy", description="GPU-aware chunk geometry for fused linear cross-entropy.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{probe,explain,validate}")
+
+    probe = sub.add_parser("probe", help="what the device probe sees, and which rule of the active policy applies")
+    probe.add_argument("--config", metavar="FILE", help=f"policy YAML (default: ${CONFIG_ENV_VAR} or the packaged one)")
+    probe.add_argument("--json", action="store_true", help="JSON on stdout")
+    probe.set_defaults(run=_cmd_probe)
+
+    explain = sub.add_parser("explain", help="the chunk geometry the policy picks for a problem")
+    _add_problem_args(explain, model_default=None)
+    explain.add_argument("--device", metavar="FAMILY", help="plan for a known GPU family (H100, H200, B300, ...)")
+    explain.add_argument("--all-gpus", action="store_true", help="a table over the known GPUs even when one is present")
+    source = explain.add_mutually_exclusive_group()
+    source.add_argument(
+        "--config", metavar="FILE", help=f"policy YAML (default: ${CONFIG_ENV_VAR} or the packaged one)"
+    )
+    source.add_argument(
+        "--strategy", metavar="NAME", help=f"use one strategy: {', '.join(BUILTIN_STRATEGIES)} or mod:Class"
+    )
+    explain.add_argument(
+        "--param", action="append", default=[], metavar="KEY=VALUE", help="a --strategy parameter, read as YAML (c=16)"
+    )
+    explain.add_argument("--json", action="store_true", help="JSON on stdout")
+    explain.set_defaults(run=_cmd_explain)
+
+    validate = sub.add_parser("validate", help="check a policy YAML and show what it picks on the known GPUs")
+    validate.add_argument("file", metavar="FILE")
+    _add_problem_args(validate, model_default=_VALIDATE_MODEL)
+    validate.add_argument("--json", action="store_true", help="JSON on stdout")
+    validate.set_defaults(run=_cmd_validate)
+    return parser
+
+
+def _add_problem_args(parser: argparse.ArgumentParser, *, model_default: str | None) -> None:
+    parser.add_argument(
+        "--model", choices=sorted(MODEL_PRESETS), default=model_default, help="fill --vocab/--hidden from a preset"
+    )
+    parser.add_argument("--vocab", type=_positive_int, metavar="V", help="vocabulary size V")
+    parser.add_argument("--hidden", type=_positive_int, metavar="H", help="hidden size H")
+    parser.add_argument("--tokens", type=_positive_int, default=DEFAULT_TOKENS, metavar="BT", help="token rows BT")
+    parser.add_argument("--dtype", default="bfloat16", help="logits dtype: bfloat16 (default), float16, float32")
+
+
+def _problem(args: argparse.Namespace) -> Problem:
+    preset = MODEL_PRESETS.get(args.model) if args.model else None
+    vocab = args.vocab if args.vocab is not None else (preset.vocab if preset else None)
+    hidden = args.hidden if args.hidden is not None else (preset.hidden if preset else None)
+    if vocab is None or hidden is None:
+        raise _UsageError("give --model, or both --vocab and --hidden")
+    return Problem(tokens=args.tokens, hidden=hidden, vocab=vocab, dtype=args.dtype)
+
+
+def _policy(args: argparse.Namespace) -> FLCEPolicy:
+    if getattr(args, "strategy", None):
+        strategy = strategy_from_config({"strategy": args.strategy, **_params(args.param)})
+        return FLCEPolicy(default=strategy, source=f"--strategy {args.strategy}")
+    if getattr(args, "param", None):
+        raise _UsageError("--param needs --strategy")
+    return FLCEPolicy.from_yaml(args.config) if args.config else FLCEPolicy.default()
+
+
+def _params(pairs: list[str]) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key.strip():
+            raise _UsageError(f"--param expects KEY=VALUE, got {pair!r}")
+        # Read like a YAML value so the command line means what a config file would: 16 is an int, 512MiB a string.
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        params[key.strip()] = text if value is None or isinstance(value, (dict, list)) else value
+    return params
+
+
+# --- commands ------------------------------------------------------------------------------------
+
+
+def _cmd_probe(args: argparse.Namespace) -> int:
+    from flce_policy.probe import probe_device_verbose
+
+    device, notes = probe_device_verbose()
+    policy = _policy(args)
+    rule, strategy = policy.resolve_rule(device)
+    if args.json:
+        _print_json(
+            {
+                "device": {**device.model_dump(mode="json"), "description": device.describe()},
+                "notes": notes,
+                "policy": policy.source,
+                "rule": rule,
+                "strategy": strategy.config_name(),
+                "params": strategy.get_params(),
+            }
+        )
+        return 0
+    console = _console()
+    console.print(f"Device:   {device.describe()}")
+    for note in notes:
+        console.print(f"  note:   {note}")
+    console.print(f"Policy:   {policy.source}")
+    console.print(f"Rule:     {rule}")
+    console.print(f"Strategy: {_strategy_text(strategy)}")
+    return 0
+
+
+def _cmd_explain(args: argparse.Namespace) -> int:
+    problem = _problem(args)
+    policy = _policy(args)
+    if args.device:
+        device: DeviceInfo | None = DeviceInfo.synthetic(args.device)
+        title = ""
+    elif args.all_gpus:
+        device, title = None, "the decision on each known GPU"
+    else:
+        from flce_policy.probe import probe_device
+
+        device = probe_device()
+        device, title = (device, "") if device.is_gpu else (None, "no GPU here; the decision on each known GPU")
+    if device is None:
+        _print_table(policy, problem, _known_devices(), as_json=args.json, title=title)
+    elif args.json:
+        _print_json(policy.explain_dict(problem, device))
+    else:
+        _console().print(policy.explain(problem, device))
+    return 0
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    try:
+        policy = FLCEPolicy.from_yaml(args.file)
+    except ConfigError as err:
+        if args.json:
+            _print_json({"file": args.file, "valid": False, "errors": str(err).splitlines()})
+        return _fail(str(err))
+    problem = _problem(args)
+    devices = _known_devices()
+    unmatched = [
+        f"devices[{i}] (match {rule.match}) matches no known GPU family or name; check for a typo"
+        for i, rule in enumerate(policy.rules)
+        if not any(rule.names(d) for d in [*devices, DeviceInfo.cpu()])
+    ]
+    if args.json:
+        rows = [_decision(policy, problem, d) for d in devices]
+        _print_json(
+            {"file": args.file, "valid": True, "notes": unmatched, "problem": problem.model_dump(), "decisions": rows}
+        )
+        return 0
+    console = _console()
+    console.print(f"OK: {args.file} (version {CONFIG_VERSION}, {len(policy.rules)} device rules)")
+    for note in unmatched:
+        console.print(f"note: {note}")
+    _print_table(policy, problem, devices, as_json=False, title=f"what {args.file} picks on the known GPUs")
+    return 0
+
+
+# --- output --------------------------------------------------------------------------------------
+
+
+def _known_devices() -> list[DeviceInfo]:
+    return [DeviceInfo.synthetic(gpu.family) for gpu in sorted(KNOWN_GPUS, key=lambda g: -g.total_memory_bytes)]
+
+
+def _decision(policy: FLCEPolicy, problem: Problem, device: DeviceInfo) -> dict[str, Any]:
+    """explain_dict, or the error a strategy gave for this device (a budget smaller than one row, say)."""
+    try:
+        return policy.explain_dict(problem, device)
+    except ValueError as err:
+        rule, strategy = policy.resolve_rule(device)
+        return {
+            "device": device.model_dump(mode="json"),
+            "rule": rule,
+            "strategy": strategy.config_name(),
+            "error": str(err),
+        }
+
+
+def _print_table(policy: FLCEPolicy, problem: Problem, devices: list[DeviceInfo], *, as_json: bool, title: str) -> None:
+    rows = [_decision(policy, problem, d) for d in devices]
+    if as_json:
+        _print_json({"problem": problem.model_dump(), "policy": policy.source, "decisions": rows})
+        return
+    table = Table(title=f"{title}\n{problem.describe()}; policy {policy.source}")
+    for column in ("GPU", "memory", "rule", "strategy", "chunk_size", "chunks", "slab"):
+        table.add_column(column, justify="right" if column in ("chunk_size", "chunks", "slab") else "left")
+    for device, row in zip(devices, rows, strict=True):
+        memory = format_bytes(device.total_memory_bytes)
+        strategy = f"{row['strategy']} {_params_text(row.get('params', {}))}".strip()
+        if "error" in row:
+            table.add_row(device.family, memory, row["rule"], strategy, "error", "", row["error"])
+        else:
+            table.add_row(
+                device.family,
+                memory,
+                row["rule"],
+                strategy,
+                str(row["chunk_size"]),
+                str(row["num_chunks"]),
+                row["slab"],
+            )
+    _console().print(table)
+
+
+def _strategy_text(strategy: Any) -> str:
+    return f"{strategy.config_name()} {_params_text(strategy.get_params())}".strip()
+
+
+def _params_text(params: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in params.items())
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, default=str))
+
+
+def _console() -> Console:
+    # Wide when piped or captured, so tables keep one line per row instead of wrapping at 80 columns;
+    # no markup, since device descriptions hold brackets ("[family H100]") rich would eat.
+    return Console(width=None if sys.stdout.isatty() else 160, markup=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,284 @@
+"""The versioned YAML schema of a policy file, checked at the boundary with pydantic.
+
+A file reads::
+
+    version: 1
+    default:                 # optional; Liger's heuristic_c with c=1 when left out
+      strategy: heuristic_c
+      c: 1
+    devices:                 # ordered; the first rule that matches wins
+      - match: H100          # a family (case-insensitive) or a glob on the device name
+        min_total_memory: 90GiB   # optional; also max_total_memory
+        strategy: slab_budget
+        max_slab: 512MiB     # a strategy's parameters sit beside its name
+
+``match`` is a device family (case-insensitive) or an fnmatch glob on the device name; ``"*"``
+matches every device, the CPU fallback included (write ``match: cpu`` to single that out).
+Every error names the source (file) and the key path, e.g.
+``config.yaml: devices[1].max_slab: cannot parse 'lots' as a byte size ...``.
+This module only parses; :mod:`flce_policy.policy` turns the result into a policy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import yaml
+from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError, field_validator, model_validator
+
+from flce_policy.strategies import ChunkStrategy, StrategyError, strategy_class, strategy_from_config
+from flce_policy.units import parse_bytes
+
+__all__ = [
+    "CONFIG_VERSION",
+    "RULE_KEYS",
+    "ConfigError",
+    "RuleConfig",
+    "PolicyConfig",
+    "parse_config",
+    "load_yaml_text",
+    "load_yaml_file",
+]
+
+CONFIG_VERSION = 1
+#: Keys a ``devices`` entry understands besides the parameters of its strategy.
+RULE_KEYS = ("match", "min_total_memory", "max_total_memory", "strategy")
+_TOP_KEYS = ("version", "default", "devices")
+
+
+class ConfigError(ValueError):
+    """An invalid policy file or dict. ``problems`` holds ``(key path, message)`` pairs, one per line of str()."""
+
+    def __init__(self, source: str, problems: list[tuple[str, str]]) -> None:
+        self.source = source
+        self.problems = list(problems)
+        super().__init__(
+            "\n".join(f"{source}: {path}: {msg}" if path else f"{source}: {msg}" for path, msg in problems)
+        )
+
+
+class RuleConfig(NamedTuple):
+    """One validated ``devices`` entry; memory bounds as written (bytes or strings like "200GiB")."""
+
+    match: str
+    strategy: ChunkStrategy
+    min_total_memory: int | str | None
+    max_total_memory: int | str | None
+
+
+class PolicyConfig(NamedTuple):
+    """A validated file: the default strategy (None when the file leaves it out) and the ordered rules."""
+
+    default: ChunkStrategy | None
+    rules: list[RuleConfig]
+
+
+# --- the schema ----------------------------------------------------------------------------------
+
+
+class _TopLevel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: Any
+    default: dict[str, Any] | None = None
+    devices: list[Any] | None = None  # `devices:` with nothing under it reads as null: no rules
+
+    @field_validator("version")
+    @classmethod
+    def _version(cls, value: Any) -> int:
+        # bool is an int in Python; `version: true` is a mistake, not version 1.
+        if isinstance(value, bool) or value != CONFIG_VERSION:
+            raise ValueError(f"unsupported version {value!r}; this flce-policy reads version {CONFIG_VERSION}")
+        return CONFIG_VERSION
+
+
+class _StrategyEntry(BaseModel):
+    # Unknown keys are kept: they are the strategy's parameters, checked against its signature below.
+    model_config = ConfigDict(extra="allow")
+
+    strategy: StrictStr
+
+
+class _RuleEntry(_StrategyEntry):
+    match: StrictStr
+    min_total_memory: Any = None
+    max_total_memory: Any = None
+
+    @field_validator("min_total_memory", "max_total_memory")
+    @classmethod
+    def _bytes(cls, value: Any) -> Any:
+        if value is not None:
+            parse_bytes(value)
+        return value  # kept as written so a dump shows what the user wrote
+
+    @field_validator("match")
+    @classmethod
+    def _non_empty(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("match must be a non-empty family or glob")
+        return value
+
+    @model_validator(mode="after")
+    def _ordered(self) -> _RuleEntry:
+        low, high = self.min_total_memory, self.max_total_memory
+        if low is not None and high is not None and parse_bytes(low) > parse_bytes(high):
+            raise ValueError(f"min_total_memory {low!r} is larger than max_total_memory {high!r}; no device can match")
+        return self
+
+
+# --- parsing -------------------------------------------------------------------------------------
+
+
+def parse_config(data: Any, *, source: str = "<dict>") -> PolicyConfig:
+    """Validate a loaded policy mapping; raises :class:`ConfigError` listing every problem found."""
+    if data is None:
+        raise ConfigError(source, [("", f"the file is empty; a policy needs at least 'version: {CONFIG_VERSION}'")])
+    if not isinstance(data, dict):
+        raise ConfigError(source, [("", f"expected a mapping at the top level, got {_type_name(data)}")])
+    problems: list[tuple[str, str]] = []
+    top = _validate(_TopLevel, data, (), problems)
+    if top is None:
+        raise ConfigError(source, problems)
+    default = None
+    if top.default is not None:
+        entry = _validate(_StrategyEntry, top.default, ("default",), problems)
+        if entry is not None:
+            default = _build_strategy(entry, ("strategy",), ("default",), problems)
+    rules: list[RuleConfig] = []
+    for i, raw in enumerate(top.devices or []):
+        loc = ("devices", i)
+        rule = _validate(_RuleEntry, raw, loc, problems)
+        strategy = None if rule is None else _build_strategy(rule, RULE_KEYS, loc, problems)
+        if strategy is not None:
+            rules.append(RuleConfig(rule.match, strategy, rule.min_total_memory, rule.max_total_memory))
+    if problems:
+        raise ConfigError(source, problems)
+    return PolicyConfig(default, rules)
+
+
+def _validate(model: type[BaseModel], raw: Any, loc: tuple, problems: list[tuple[str, str]]) -> Any:
+    try:
+        return model.model_validate(raw)
+    except ValidationError as err:
+        for e in err.errors():
+            problems.append((_key_path(loc + tuple(e["loc"])), _message(e, model)))
+        return None
+
+
+def _build_strategy(
+    entry: _StrategyEntry, own_keys: tuple[str, ...], loc: tuple, problems: list[tuple[str, str]]
+) -> ChunkStrategy | None:
+    name = entry.strategy
+    try:
+        cls = strategy_class(name)
+    except StrategyError as err:
+        problems.append((_key_path(loc + ("strategy",)), str(err)))
+        return None
+    accepted = cls.param_names()
+    params = dict(entry.model_extra or {})
+    before = len(problems)
+    for key in params:
+        if key not in accepted:
+            problems.append(
+                (
+                    _key_path(loc + (key,)),
+                    f"unknown key; not one of {', '.join(own_keys)} nor a parameter of strategy {name!r} "
+                    f"(it accepts: {', '.join(accepted) or 'none'})",
+                )
+            )
+    for key in set(accepted) & set(own_keys):
+        problems.append((_key_path(loc + ("strategy",)), f"strategy {name!r} has a parameter {key!r}, a rule key"))
+    if len(problems) > before:
+        return None
+    try:
+        return strategy_from_config({"strategy": name, **params})
+    except StrategyError as err:
+        key, message = _locate(err, cls)
+        problems.append((_key_path(loc + ((key,) if key else ())), message))
+        return None
+
+
+def _locate(err: StrategyError, cls: type[ChunkStrategy]) -> tuple[str | None, str]:
+    """The parameter a strategy's error is about, and the message without the prefixes the key path repeats."""
+    message = str(err)
+    if err.param is None:
+        return None, message
+    rest = message.removeprefix(f"{cls.config_name()}: ").removeprefix(f"{err.param}: ")
+    return err.param, rest
+
+
+def _key_path(loc: tuple) -> str:
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
+
+
+def _message(error: Any, model: type[BaseModel]) -> str:
+    kind, value = error["type"], error.get("input")
+    if kind == "missing":
+        return "required key is missing"
+    if kind == "extra_forbidden":
+        return f"unknown key; a policy file's top-level keys are {', '.join(_TOP_KEYS)}"
+    if kind in ("dict_type", "model_type"):
+        return f"expected a mapping (key: value lines), got {_type_name(value)}"
+    if kind == "list_type":
+        return f"expected a list of rules (lines starting with '- '), got {_type_name(value)}"
+    if kind == "string_type":
+        return f"expected a string, got {_type_name(value)} {value!r}"
+    if kind == "value_error":
+        return str(error["ctx"]["error"])
+    return error["msg"]
+
+
+def _type_name(value: Any) -> str:
+    names = {dict: "a mapping", list: "a list", str: "a string", type(None): "null", bool: "a boolean"}
+    return names.get(type(value), type(value).__name__)
+
+
+# --- reading YAML --------------------------------------------------------------------------------
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys, which plain YAML silently resolves to the last one."""
+
+
+def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            duplicate = key in seen
+            seen.add(key)
+        except TypeError:  # an unhashable key; the base constructor reports it
+            continue
+        if duplicate:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+
+
+def load_yaml_text(text: str, *, source: str = "<string>") -> Any:
+    """Parse YAML text; a syntax error becomes a :class:`ConfigError` naming the line and column."""
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise ConfigError(source, [(where, f"YAML syntax error: {problem}")]) from None
+
+
+def load_yaml_file(path: str | Path, *, source: str | None = None) -> Any:
+    """Read and parse a YAML file; ``source`` (default: the path as given) prefixes every error."""
+    source = str(path) if source is None else source
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(source, [("", "no such file")]) from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(source, [("", f"cannot read: {err}")]) from None
+    return load_yaml_text(text, source=source)

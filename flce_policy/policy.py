@@ -1,0 +1,263 @@
+"""FLCEPolicy: a default strategy plus ordered per-device rules, resolved to a Geometry per (problem, device)."""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from flce_policy.config import CONFIG_VERSION, ConfigError, load_yaml_file, load_yaml_text, parse_config
+from flce_policy.device import DeviceInfo
+from flce_policy.geometry import Geometry
+from flce_policy.problem import Problem
+from flce_policy.strategies import ChunkStrategy, HeuristicC
+from flce_policy.units import format_bytes, parse_bytes
+
+__all__ = ["CONFIG_ENV_VAR", "DEFAULT_RULE", "DeviceRule", "FLCEPolicy"]
+
+#: Names a user policy file that :meth:`FLCEPolicy.default` loads instead of the packaged one.
+CONFIG_ENV_VAR = "FLCE_POLICY_CONFIG"
+#: The rule description of a decision no device rule made.
+DEFAULT_RULE = "default"
+_PACKAGED_SOURCE = "<packaged default.yaml>"
+# Dynamic shapes (varying BT per step) add a key per distinct token count; the cap keeps a long run
+# from growing the cache without bound, and refilling it costs one strategy call per shape.
+_CACHE_LIMIT = 4096
+
+
+@dataclass(frozen=True)
+class DeviceRule:
+    """Use ``strategy`` on devices that ``match`` and whose total memory lies within the optional bounds.
+
+    ``match`` equals a :attr:`DeviceInfo.family` (case-insensitive, e.g. ``"H100"``, ``"cpu"``), or is
+    an fnmatch glob on :attr:`DeviceInfo.name` (case-insensitive, e.g. ``"NVIDIA H100*"``). ``"*"``
+    matches every device, the CPU fallback included; write ``match: cpu`` to single that out.
+    Memory bounds are bytes or strings such as ``"200GiB"``, inclusive, kept as written.
+    """
+
+    match: str
+    strategy: ChunkStrategy
+    min_total_memory: int | str | None = field(default=None, kw_only=True)
+    max_total_memory: int | str | None = field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.match, str) or not self.match.strip():
+            raise ValueError(f"DeviceRule.match must be a non-empty family or glob, got {self.match!r}")
+        if not isinstance(self.strategy, ChunkStrategy):
+            raise TypeError(f"DeviceRule.strategy must be a ChunkStrategy, got {self.strategy!r}")
+        self.strategy.validate_params()
+        low = None if self.min_total_memory is None else parse_bytes(self.min_total_memory)
+        high = None if self.max_total_memory is None else parse_bytes(self.max_total_memory)
+        if low is not None and high is not None and low > high:
+            raise ValueError(
+                f"min_total_memory {self.min_total_memory!r} exceeds max_total_memory {self.max_total_memory!r}"
+            )
+        # Parsed once here so matching on the hot path compares ints.
+        object.__setattr__(self, "_bounds", (low, high))
+        object.__setattr__(self, "_lower", self.match.lower())
+
+    def names(self, device: DeviceInfo) -> bool:
+        """Whether ``match`` names ``device`` (its family, or a glob on its name), memory bounds aside."""
+        pattern: str = self._lower  # type: ignore[attr-defined]
+        return pattern == device.family.lower() or fnmatch.fnmatchcase(device.name.lower(), pattern)
+
+    def matches(self, device: DeviceInfo) -> bool:
+        """Whether this rule applies to ``device``: it is named and its total memory is within bounds."""
+        if not self.names(device):
+            return False
+        low, high = self._bounds  # type: ignore[attr-defined]
+        total = device.total_memory_bytes
+        return (low is None or total >= low) and (high is None or total <= high)
+
+    def describe(self) -> str:
+        """``match H100`` plus any memory bounds, as written."""
+        text = f"match {self.match}"
+        if self.min_total_memory is not None:
+            text += f", total memory >= {self.min_total_memory}"
+        if self.max_total_memory is not None:
+            text += f", total memory <= {self.max_total_memory}"
+        return text
+
+    def to_config(self) -> dict[str, Any]:
+        """The YAML ``devices`` entry: rule keys, then ``strategy`` and its parameters."""
+        entry: dict[str, Any] = {"match": self.match}
+        for key in ("min_total_memory", "max_total_memory"):
+            if getattr(self, key) is not None:
+                entry[key] = getattr(self, key)
+        return {**entry, **self.strategy.to_config()}
+
+
+class FLCEPolicy:
+    """A default strategy plus ordered device rules; the first rule that matches a device wins.
+
+    Build one in code, ``FLCEPolicy(default=HeuristicC(1), rules=[DeviceRule("H100", SlabBudget("1GiB"))])``,
+    or from YAML (:meth:`from_yaml`, :meth:`default`). :meth:`resolve` caches its answer per
+    (problem, device), so treat a policy as immutable once in use (or call :meth:`clear_cache`).
+    Equality compares content (strategies and rules), not where the policy was loaded from.
+    """
+
+    def __init__(
+        self, *, default: ChunkStrategy | None = None, rules: Sequence[DeviceRule] = (), source: str = "<code>"
+    ) -> None:
+        self.default_strategy: ChunkStrategy = HeuristicC(c=1) if default is None else default
+        if not isinstance(self.default_strategy, ChunkStrategy):
+            raise TypeError(f"default must be a ChunkStrategy, got {self.default_strategy!r}")
+        self.default_strategy.validate_params()
+        self.rules: tuple[DeviceRule, ...] = tuple(rules)
+        for rule in self.rules:
+            if not isinstance(rule, DeviceRule):
+                raise TypeError(f"rules must be DeviceRule objects, got {rule!r}")
+        self.source = source
+        self._cache: dict[tuple[Problem, DeviceInfo], Geometry] = {}
+        self._probed: DeviceInfo | None = None
+
+    # --- loading and saving ----------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "<dict>") -> FLCEPolicy:
+        """A policy from a loaded YAML mapping; :class:`ConfigError` names ``source`` and the key path."""
+        config = parse_config(data, source=source)
+        rules = [
+            DeviceRule(r.match, r.strategy, min_total_memory=r.min_total_memory, max_total_memory=r.max_total_memory)
+            for r in config.rules
+        ]
+        return cls(default=config.default, rules=rules, source=source)
+
+    @classmethod
+    def from_yaml_text(cls, text: str, *, source: str = "<string>") -> FLCEPolicy:
+        """A policy from YAML text."""
+        return cls.from_dict(load_yaml_text(text, source=source), source=source)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, *, source: str | None = None) -> FLCEPolicy:
+        """A policy from a YAML file; errors name the file (or ``source``) and the key path."""
+        source = str(path) if source is None else source
+        return cls.from_dict(load_yaml_file(path, source=source), source=source)
+
+    @classmethod
+    def packaged(cls) -> FLCEPolicy:
+        """The packaged ``configs/default.yaml``, whatever ``FLCE_POLICY_CONFIG`` says."""
+        text = files("flce_policy.configs").joinpath("default.yaml").read_text(encoding="utf-8")
+        return cls.from_yaml_text(text, source=_PACKAGED_SOURCE)
+
+    @classmethod
+    def default(cls) -> FLCEPolicy:
+        """The active policy: the file ``$FLCE_POLICY_CONFIG`` names if set (and non-empty), else :meth:`packaged`."""
+        path = os.environ.get(CONFIG_ENV_VAR, "").strip()
+        if not path:
+            return cls.packaged()
+        if not Path(path).is_file():
+            raise ConfigError(
+                f"{CONFIG_ENV_VAR}={path}",
+                [("", f"no such file; fix or unset {CONFIG_ENV_VAR} to use the packaged default")],
+            )
+        return cls.from_yaml(path, source=f"{path} (from {CONFIG_ENV_VAR})")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML mapping :meth:`from_dict` reads back, parameters as written."""
+        return {
+            "version": CONFIG_VERSION,
+            "default": self.default_strategy.to_config(),
+            "devices": [rule.to_config() for rule in self.rules],
+        }
+
+    def to_yaml(self) -> str:
+        """:meth:`to_dict` as YAML text."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    # --- deciding --------------------------------------------------------------------------------
+
+    def resolve_rule(self, device: DeviceInfo) -> tuple[str, ChunkStrategy]:
+        """The rule that applies to ``device`` (``"devices[0] (match H100)"`` or ``"default"``), and its strategy."""
+        for i, rule in enumerate(self.rules):
+            if rule.matches(device):
+                return f"devices[{i}] ({rule.describe()})", rule.strategy
+        return DEFAULT_RULE, self.default_strategy
+
+    def resolve(self, problem: Problem, device: DeviceInfo | None = None) -> Geometry:
+        """The geometry for ``problem`` on ``device`` (probed once per policy when None).
+
+        Called every training step: a repeated (problem, device) is one dict lookup.
+        """
+        if device is None:
+            device = self._probe()
+        key = (problem, device)
+        geometry = self._cache.get(key)
+        if geometry is None:
+            rule, strategy = self.resolve_rule(device)
+            geometry = strategy.geometry(problem, device, rule=rule)
+            if len(self._cache) >= _CACHE_LIMIT:
+                self._cache.clear()
+            self._cache[key] = geometry
+        return geometry
+
+    def clear_cache(self) -> None:
+        """Forget cached decisions and the probed device (after mutating a strategy, say)."""
+        self._cache.clear()
+        self._probed = None
+
+    def _probe(self) -> DeviceInfo:
+        if self._probed is None:
+            from flce_policy import probe  # deferred: probing pulls in NVML/torch, which planning never needs
+
+            self._probed = probe.probe_device()
+        return self._probed
+
+    # --- explaining ------------------------------------------------------------------------------
+
+    def explain_dict(self, problem: Problem, device: DeviceInfo | None = None) -> dict[str, Any]:
+        """The decision as JSON-ready data: device, problem, policy source, rule, strategy, geometry."""
+        if device is None:
+            device = self._probe()
+        geometry = self.resolve(problem, device)
+        _, strategy = self.resolve_rule(device)
+        return {
+            "device": {**device.model_dump(mode="json"), "description": device.describe()},
+            "problem": problem.model_dump(mode="json"),
+            "policy": self.source,
+            "rule": geometry.rule,
+            "strategy": strategy.config_name(),
+            "params": strategy.get_params(),
+            "chunk_size": geometry.chunk_size,
+            "num_chunks": geometry.num_chunks,
+            "last_chunk_size": geometry.last_chunk_size,
+            "vocab_chunk": geometry.vocab_chunk,
+            "num_vocab_chunks": geometry.num_vocab_chunks,
+            "slab_bytes": geometry.slab_bytes,
+            "slab": format_bytes(geometry.slab_bytes),
+            "summary": geometry.describe(),
+        }
+
+    def explain(self, problem: Problem, device: DeviceInfo | None = None) -> str:
+        """A readable account of the decision for ``problem`` on ``device`` (probed when None)."""
+        d = self.explain_dict(problem, device)
+        params = ", ".join(f"{k}={v!r}" for k, v in d["params"].items()) or "no parameters"
+        lines = [
+            ("Device", d["device"]["description"]),
+            ("Problem", problem.describe()),
+            ("Policy", d["policy"]),
+            ("Rule", d["rule"]),
+            ("Strategy", f"{d['strategy']} ({params})"),
+            ("Chunk size", f"{d['chunk_size']} rows (last chunk {d['last_chunk_size']})"),
+            ("Chunks", f"{d['num_chunks']} chunks over BT={problem.tokens}"),
+            ("Slab", f"{d['slab']} per chunk = {d['chunk_size']} x {d['vocab_chunk']} x {problem.itemsize} bytes"),
+        ]
+        return "\n".join(f"{label + ':':<12}{value}" for label, value in lines)
+
+    # --- content equality ------------------------------------------------------------------------
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, FLCEPolicy):
+            return NotImplemented
+        return self.default_strategy == other.default_strategy and self.rules == other.rules
+
+    __hash__ = None  # type: ignore[assignment]  # equal by content, and the cache makes it mutable
+
+    def __repr__(self) -> str:
+        return f"FLCEPolicy(default={self.default_strategy!r}, rules={list(self.rules)!r}, source={self.source!r})"
