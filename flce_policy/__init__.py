@@ -2,7 +2,20 @@
 
 from flce_policy.device import DeviceInfo
 from flce_policy.geometry import Geometry
+from flce_policy.loss import FLCEOutput, FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
+from flce_policy.policy import DeviceRule, FLCEPolicy
+from flce_policy.probe import probe_device
 from flce_policy.problem import Problem
 
-__all__ = ["DeviceInfo", "Geometry", "Problem"]
+__all__ = [
+    "DeviceInfo",
+    "DeviceRule",
+    "FLCEOutput",
+    "FLCEPolicy",
+    "FusedLinearCrossEntropyLoss",
+    "Geometry",
+    "Problem",
+    "fused_linear_cross_entropy",
+    "probe_device",
+]
 __version__ = "0.1.0"

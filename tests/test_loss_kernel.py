@@ -205,6 +205,7 @@ OPTION_CASES = [
     pytest.param({"n_ignored": 6, "ignore_index": -1}, {"ignore_index": -1}, id="ignore_-1"),
     # torch also ignores an ignore_index that is a valid class
     pytest.param({"n_ignored": 6, "ignore_index": 7}, {"ignore_index": 7}, id="ignore_valid_class_7"),
+    pytest.param({"n_ignored": 6, "ignore_index": 1000}, {"ignore_index": 1000}, id="ignore_above_vocab"),
     pytest.param({}, {"label_smoothing": 0.1}, id="label_smoothing"),
     pytest.param({}, {"label_smoothing": 1.0}, id="label_smoothing_1"),
     pytest.param({"class_weight": True, "n_ignored": 4}, {}, id="class_weight"),
@@ -235,6 +236,24 @@ def test_loss_and_grads_match_reference(input_kw, options, reduction):
         **options,
     )
     assert loss.shape == (shape if reduction == "none" else ())
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the bug is a device-side assert on CUDA, which poisons the context")
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: class weights with an ignore_index >= V: autograd._denominators indexes "
+    "class_weight[target.clamp(min=0)] with the ignore_index itself (IndexError; device assert on CUDA)",
+)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_class_weight_with_ignore_index_above_vocab(reduction):
+    inputs = make_inputs(class_weight=True, n_ignored=5, ignore_index=V + 100)
+    check_against_reference(
+        inputs,
+        grad_output=default_grad_output(reduction, inputs["y"].shape),
+        policy=FixedChunkSize(8),
+        ignore_index=V + 100,
+        reduction=reduction,
+    )
 
 
 def test_mean_with_grad_output_not_one():
@@ -484,6 +503,24 @@ def test_narrow_integer_targets(target_dtype):
 # --------------------------------------------------------------------------- low precision
 
 
+def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``||actual - expected|| / ||expected||`` in float64 (steadier than max-norm at bf16 granularity)."""
+    assert actual.shape == expected.shape, (tuple(actual.shape), tuple(expected.shape))
+    a, e = actual.detach().double(), expected.detach().double()
+    assert torch.isfinite(a).all(), "non-finite values"
+    return ((a - e).norm() / e.norm()).item()
+
+
+def _eager_factor(dtype: torch.dtype) -> float:
+    """How many times eager torch's error the kernel may have.
+
+    2 in general. The Triton interpreter casts fp32 -> bf16 by truncation (triton/runtime/interpreter.py,
+    ``_convert_float`` without a rounding mode) where the GPU rounds to nearest, which doubles the
+    rounding error of the dL/dlogits written into a bf16 slab: 4 there.
+    """
+    return 4.0 if (dtype == torch.bfloat16 and KERNELS_INTERPRETED) else 2.0
+
+
 @pytest.mark.parametrize("accum_dtype", [None, torch.float32], ids=["accum_default", "accum_fp32"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize(
@@ -491,11 +528,11 @@ def test_narrow_integer_targets(target_dtype):
     [pytest.param({"bias": True}, {}, id="plain"), pytest.param(EVERYTHING_INPUTS, EVERYTHING_OPTIONS, id="everything")],
 )
 def test_low_precision_within_eager_error(dtype, accum_dtype, input_kw, options):
-    """bf16/fp16 inputs: error vs the exact reference at most twice eager torch's own error.
+    """bf16/fp16 inputs: relative L2 error vs the exact reference bounded by eager torch's own error.
 
     Exact reference: the same low-precision values, upcast to float64. Eager: the GEMM in the low
-    dtype, the loss in fp32, ``F.cross_entropy((x @ W.T + b).float(), y)``. The floor (eps/16 of
-    the dtype) only matters when eager happens to be nearly exact.
+    dtype, the loss in fp32, ``F.cross_entropy((x @ W.T + b).float(), y)``, as a bf16 model does.
+    The floor (eps/16 of the dtype) only matters when eager happens to be nearly exact.
     """
     inputs = make_inputs(**input_kw)
     low = leaves(inputs, dtype)
@@ -504,17 +541,19 @@ def test_low_precision_within_eager_error(dtype, accum_dtype, input_kw, options)
     ref_loss = run_reference(exact, **options)[0]
     eager_loss = run_reference(eager, upcast=torch.float32, **options)[0]
     ref_grads, eager_grads = grads(ref_loss, exact, None), grads(eager_loss, eager, None)
-    floor = torch.finfo(dtype).eps / 16
+    factor, floor = _eager_factor(dtype), torch.finfo(dtype).eps / 16
 
     loss = run_flce(low, policy=FixedChunkSize(8), accum_dtype=accum_dtype, **options)
     assert loss.dtype == torch.float32
-    tol = max(2 * rel_err(eager_loss, ref_loss), floor)
-    assert_close(loss, ref_loss, tol, "loss")
+    # the loss sees the same rounded logits as eager: factor 2 whatever the cast
+    tol = max(2 * rel_l2(eager_loss, ref_loss), floor)
+    assert rel_l2(loss, ref_loss) <= tol, f"loss: {rel_l2(loss, ref_loss):.3g} > {tol:.3g}"
     got = grads(loss, low, None)
     for k in ref_grads:
         assert got[k].dtype == dtype
-        tol = max(2 * rel_err(eager_grads[k], ref_grads[k]), floor)
-        assert_close(got[k], ref_grads[k], tol, f"grad {k}")
+        err, eager_err = rel_l2(got[k], ref_grads[k]), rel_l2(eager_grads[k], ref_grads[k])
+        tol = max(factor * eager_err, floor)
+        assert err <= tol, f"grad {k}: relative L2 error {err:.3g} > {tol:.3g} (eager {eager_err:.3g})"
 
 
 # --------------------------------------------------------------------------- the module
