@@ -41,7 +41,8 @@ def _denominators(target: torch.Tensor, class_weight: torch.Tensor | None, ignor
     if class_weight is None:
         mass = count
     else:
-        mass = torch.where(valid, class_weight[target.clamp(min=0)], 0.0).sum()
+        # ignored rows index class 0 instead of ignore_index, which may lie outside [0, V)
+        mass = torch.where(valid, class_weight[torch.where(valid, target, 0)], 0.0).sum()
     return torch.stack([mass, count])
 
 
@@ -56,11 +57,13 @@ class FLCEFunction(torch.autograd.Function):
         class_weight: torch.Tensor | None,
         geometry: Geometry | None,
         options: LossOptions,
+        grad_enabled: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # needs_input_grad ignores torch.no_grad(): the caller's grad mode is passed in.
         want = GradRequest(
-            input=ctx.needs_input_grad[0],
-            weight=ctx.needs_input_grad[1],
-            bias=bias is not None and ctx.needs_input_grad[2],
+            input=grad_enabled and ctx.needs_input_grad[0],
+            weight=grad_enabled and ctx.needs_input_grad[1],
+            bias=grad_enabled and bias is not None and ctx.needs_input_grad[2],
             accum_dtype=options.accum_dtype,
         )
         params = _ce_params(options)
@@ -115,7 +118,7 @@ class FLCEFunction(torch.autograd.Function):
                 raise RuntimeError("fused_linear_cross_entropy: backward ran twice through the same call")
             grads = _rescale(grads, grad_loss)
         grad_input, grad_weight, grad_bias = grads
-        return grad_input, grad_weight, grad_bias, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
 def _rescale(saved: tuple[torch.Tensor | None, ...], grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:

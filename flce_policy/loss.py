@@ -88,7 +88,9 @@ def fused_linear_cross_entropy(
 
     from flce_policy.autograd import FLCEFunction
 
-    loss, z_loss, accuracy = FLCEFunction.apply(x, weight, bias, target_flat, class_weight, geometry, options)
+    loss, z_loss, accuracy = FLCEFunction.apply(
+        x, weight, bias, target_flat, class_weight, geometry, options, torch.is_grad_enabled()
+    )
     if reduction == "none":
         loss, z_loss = loss.view(target.shape), z_loss.view(target.shape)
     if not (return_z_loss or return_token_accuracy):

@@ -1,9 +1,13 @@
 """Row-wise cross-entropy over a logits slab, with dL/dlogits written back into the slab.
 
-One program per row. Pass 1 walks the row in ``BLOCK_V`` blocks keeping an online
-log-sum-exp (running max ``m`` and ``d = sum(exp(z - m))``, rescaled when the max grows), the
-target logit, the label-smoothing sum and the argmax. Pass 2 re-reads the row and overwrites it
-with the gradient, so the slab needs no second buffer. All maths in fp32.
+Each row is split into ``num_segments`` column segments so that few-row chunks still give the
+GPU enough programs. Two launches per chunk:
+
+1. ``_ce_partial_kernel`` (one program per row and segment) walks its segment in ``BLOCK_V``
+   blocks keeping an online log-sum-exp (running max ``m`` and ``d = sum(exp(z - m))``, rescaled
+   when the max grows), the label-smoothing sums and the argmax, and stores them as partials.
+2. ``_ce_finish_kernel`` (same grid) merges its row's partials into ``lse``, writes the row's
+   loss (segment 0), and overwrites its segment with the gradient. All maths in fp32.
 
 Notation: ``x`` the raw logit, ``z = softcap * tanh(x / softcap)`` (or ``z = x``), ``p = softmax(z)``,
 ``w`` the class weights (1 without), ``W = sum_c w_c``, ``eps`` label smoothing, ``y`` the target.
@@ -19,17 +23,45 @@ Per row, matching ``torch.nn.functional.cross_entropy``::
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["KERNELS_INTERPRETED", "ce_rows"]
+__all__ = ["KERNELS_INTERPRETED", "CEWorkspace", "ce_rows", "ce_workspace"]
 
 #: Triton picks interpreter or compiler when a kernel is decorated, i.e. when this module is imported.
 KERNELS_INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-_MAX_BLOCK_V = 4096
+#: Widest block a program loads at once (elements).
+MAX_BLOCK_V = 4096
+#: Programs (rows x segments) a chunk should give the GPU: a few waves on 132 SMs.
+TARGET_PROGRAMS = 2048
+_PARTIALS = 5  # m, d, sum_wz, sum_w, best
+
+
+class CEWorkspace(NamedTuple):
+    """Per-call scratch for the row partials, allocated once for the largest chunk."""
+
+    block_v: int
+    num_segments: int
+    segment_len: int  # columns per segment, a multiple of block_v
+    partials: torch.Tensor  # [_PARTIALS, rows, num_segments] fp32
+    best_index: torch.Tensor  # [rows, num_segments] int32
+
+
+def ce_workspace(rows: int, n_cols: int, device: torch.device) -> CEWorkspace:
+    """Segment plan and scratch for chunks of up to ``rows`` rows of ``n_cols`` logits."""
+    block_v = min(triton.next_power_of_2(n_cols), MAX_BLOCK_V)
+    blocks = triton.cdiv(n_cols, block_v)
+    # Each segment keeps >= 2 blocks so its loop still pipelines loads.
+    wanted = triton.next_power_of_2(triton.cdiv(TARGET_PROGRAMS, rows))
+    num_segments = max(1, min(wanted, 1 << ((blocks // 2).bit_length() - 1) if blocks >= 2 else 1))
+    segment_len = triton.cdiv(blocks, num_segments) * block_v
+    partials = torch.empty((_PARTIALS, rows, num_segments), dtype=torch.float32, device=device)
+    best_index = torch.empty((rows, num_segments), dtype=torch.int32, device=device)
+    return CEWorkspace(block_v, num_segments, segment_len, partials, best_index)
 
 
 @triton.jit
@@ -39,58 +71,52 @@ def _tanh(x):
 
 
 @triton.jit
-def _ce_rows_kernel(
+def _load_z(row_ptr, offs, mask, softcap, HAS_SOFTCAP: tl.constexpr):
+    z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        z = softcap * _tanh(z / softcap)
+    return z
+
+
+@triton.jit
+def _ce_partial_kernel(
     logits_ptr,
     row_stride,
     target_ptr,
     class_weight_ptr,
-    scale_ptr,
-    loss_ptr,
-    z_loss_ptr,
-    correct_ptr,
+    partials_ptr,
+    best_index_ptr,
+    plane,
     n_cols,
+    segment_len,
     ignore_index,
-    label_smoothing,
     softcap,
-    z_loss_scale,
     HAS_WEIGHT: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
-    HAS_Z_LOSS: tl.constexpr,
     TRACK_ARGMAX: tl.constexpr,
-    WRITE_GRAD: tl.constexpr,
-    SCALE_PER_ROW: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    segment = tl.program_id(1)
     # row * row_stride can pass 2**31 elements (V=262144, 8192+ rows): keep it 64-bit.
     row_ptr = logits_ptr + row * row_stride
     target = tl.load(target_ptr + row)
-    cols = tl.arange(0, BLOCK_V)
-
-    if target == ignore_index:
-        tl.store(loss_ptr + row, 0.0)
-        if HAS_Z_LOSS:
-            tl.store(z_loss_ptr + row, 0.0)
-        if TRACK_ARGMAX:
-            tl.store(correct_ptr + row, 0.0)
-        if WRITE_GRAD:
-            for start in range(0, n_cols, BLOCK_V):
-                offs = start + cols
-                tl.store(row_ptr + offs, tl.zeros([BLOCK_V], dtype=row_ptr.dtype.element_ty), mask=offs < n_cols)
-    else:
+    if target != ignore_index:
+        cols = tl.arange(0, BLOCK_V)
+        col_start = segment * segment_len
+        col_stop = tl.minimum(col_start + segment_len, n_cols)
         m = -float("inf")
         d = 0.0
         sum_wz = 0.0
         sum_w = 0.0
         best = -float("inf")
         best_idx = 0
-        for start in range(0, n_cols, BLOCK_V):
+        for start in range(col_start, col_stop, BLOCK_V):
             offs = start + cols
-            mask = offs < n_cols
-            z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            if HAS_SOFTCAP:
-                z = softcap * _tanh(z / softcap)
+            mask = offs < col_stop
+            z = _load_z(row_ptr, offs, mask, softcap, HAS_SOFTCAP)
             if HAS_SMOOTHING:
                 # masked lanes hold 0 here (softcap(0) == 0), so they add nothing to the sums
                 if HAS_WEIGHT:
@@ -110,25 +136,96 @@ def _ce_rows_kernel(
             m_new = tl.maximum(m, block_max)
             d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
             m = m_new
-        lse = m + tl.log(d)
+        slot = row * NUM_SEGMENTS + segment
+        tl.store(partials_ptr + slot, m)
+        tl.store(partials_ptr + plane + slot, d)
+        tl.store(partials_ptr + 2 * plane + slot, sum_wz)
+        tl.store(partials_ptr + 3 * plane + slot, sum_w)
+        if TRACK_ARGMAX:
+            tl.store(partials_ptr + 4 * plane + slot, best)
+            tl.store(best_index_ptr + slot, best_idx)
+
+
+@triton.jit
+def _ce_finish_kernel(
+    logits_ptr,
+    row_stride,
+    target_ptr,
+    class_weight_ptr,
+    partials_ptr,
+    best_index_ptr,
+    plane,
+    scale_ptr,
+    loss_ptr,
+    z_loss_ptr,
+    correct_ptr,
+    n_cols,
+    segment_len,
+    ignore_index,
+    label_smoothing,
+    softcap,
+    z_loss_scale,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    TRACK_ARGMAX: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,
+    SCALE_PER_ROW: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    segment = tl.program_id(1)
+    row_ptr = logits_ptr + row * row_stride
+    target = tl.load(target_ptr + row)
+    cols = tl.arange(0, BLOCK_V)
+    col_start = segment * segment_len
+    col_stop = tl.minimum(col_start + segment_len, n_cols)
+
+    if target == ignore_index:
+        if segment == 0:
+            tl.store(loss_ptr + row, 0.0)
+            if HAS_Z_LOSS:
+                tl.store(z_loss_ptr + row, 0.0)
+            if TRACK_ARGMAX:
+                tl.store(correct_ptr + row, 0.0)
+        if WRITE_GRAD:
+            for start in range(col_start, col_stop, BLOCK_V):
+                offs = start + cols
+                tl.store(row_ptr + offs, tl.zeros([BLOCK_V], dtype=row_ptr.dtype.element_ty), mask=offs < col_stop)
+    else:
+        # Merge the row's partial log-sum-exps: lse = M + log(sum_s d_s * exp(m_s - M)).
+        slots = row * NUM_SEGMENTS + tl.arange(0, NUM_SEGMENTS)
+        m_s = tl.load(partials_ptr + slots)
+        d_s = tl.load(partials_ptr + plane + slots)
+        m = tl.max(m_s, axis=0)
+        lse = m + tl.log(tl.sum(d_s * tl.exp(m_s - m), axis=0))
 
         z_y = tl.load(row_ptr + target).to(tl.float32)
         if HAS_SOFTCAP:
             z_y = softcap * _tanh(z_y / softcap)
         w_y = 1.0
+        sum_w = n_cols * 1.0
         if HAS_WEIGHT:
             w_y = tl.load(class_weight_ptr + target)
-        if not HAS_WEIGHT:
-            sum_w = n_cols * 1.0
+            if HAS_SMOOTHING:
+                sum_w = tl.sum(tl.load(partials_ptr + 3 * plane + slots), axis=0)
         eps_over_v = label_smoothing / n_cols
-        ce = (1.0 - label_smoothing) * w_y * (lse - z_y)
-        if HAS_SMOOTHING:
-            ce += eps_over_v * (sum_w * lse - sum_wz)
-        tl.store(loss_ptr + row, ce)
-        if HAS_Z_LOSS:
-            tl.store(z_loss_ptr + row, z_loss_scale * lse * lse)
-        if TRACK_ARGMAX:
-            tl.store(correct_ptr + row, (best_idx == target).to(tl.float32))
+
+        if segment == 0:
+            ce = (1.0 - label_smoothing) * w_y * (lse - z_y)
+            if HAS_SMOOTHING:
+                sum_wz = tl.sum(tl.load(partials_ptr + 2 * plane + slots), axis=0)
+                ce += eps_over_v * (sum_w * lse - sum_wz)
+            tl.store(loss_ptr + row, ce)
+            if HAS_Z_LOSS:
+                tl.store(z_loss_ptr + row, z_loss_scale * lse * lse)
+            if TRACK_ARGMAX:
+                best_s = tl.load(partials_ptr + 4 * plane + slots)
+                first = tl.argmax(best_s, axis=0)  # earliest segment holding the maximum
+                idx = tl.sum(tl.where(tl.arange(0, NUM_SEGMENTS) == first, tl.load(best_index_ptr + slots), 0))
+                tl.store(correct_ptr + row, (idx == target).to(tl.float32))
 
         if WRITE_GRAD:
             if SCALE_PER_ROW:
@@ -141,12 +238,10 @@ def _ce_rows_kernel(
             if HAS_Z_LOSS:
                 coef_p += scale_z * 2.0 * z_loss_scale * lse
             coef_y = scale_ce * (1.0 - label_smoothing) * w_y
-            for start in range(0, n_cols, BLOCK_V):
+            for start in range(col_start, col_stop, BLOCK_V):
                 offs = start + cols
-                mask = offs < n_cols
-                z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                if HAS_SOFTCAP:
-                    z = softcap * _tanh(z / softcap)
+                mask = offs < col_stop
+                z = _load_z(row_ptr, offs, mask, softcap, HAS_SOFTCAP)
                 grad = coef_p * tl.exp(z - lse)
                 grad = tl.where(offs == target, grad - coef_y, grad)
                 if HAS_SMOOTHING:
@@ -165,6 +260,7 @@ def ce_rows(
     logits: torch.Tensor,
     target: torch.Tensor,
     loss_rows: torch.Tensor,
+    workspace: CEWorkspace,
     *,
     ignore_index: int,
     label_smoothing: float = 0.0,
@@ -184,28 +280,40 @@ def ce_rows(
     Nothing is checked here: the driver calls it once per chunk.
     """
     n_rows, n_cols = logits.shape
-    block_v = min(triton.next_power_of_2(n_cols), _MAX_BLOCK_V)
-    _ce_rows_kernel[(n_rows,)](
-        logits,
-        logits.stride(0),
-        target,
-        class_weight,
+    ws = workspace
+    plane = ws.partials.stride(0)
+    flags = dict(
+        HAS_WEIGHT=class_weight is not None,
+        HAS_SMOOTHING=label_smoothing > 0.0,
+        HAS_SOFTCAP=softcap is not None,
+        TRACK_ARGMAX=correct_rows is not None,
+        NUM_SEGMENTS=ws.num_segments,
+        BLOCK_V=ws.block_v,
+    )
+    num_warps = 8 if ws.block_v >= 2048 else 4
+    softcap_value = softcap if softcap is not None else 1.0
+    common = (logits, logits.stride(0), target, class_weight, ws.partials, ws.best_index, plane)
+    _ce_partial_kernel[(n_rows, ws.num_segments)](
+        *common, n_cols, ws.segment_len, ignore_index, softcap_value, **flags, num_warps=num_warps
+    )
+    write_grad = grad_scale is not None
+    # Without a gradient only segment 0 has work (the row's loss): launch one program per row.
+    grid = (n_rows, ws.num_segments if write_grad else 1)
+    _ce_finish_kernel[grid](
+        *common,
         grad_scale,
         loss_rows,
         z_loss_rows,
         correct_rows,
         n_cols,
+        ws.segment_len,
         ignore_index,
         label_smoothing,
-        softcap if softcap is not None else 1.0,
+        softcap_value,
         z_loss_scale,
-        HAS_WEIGHT=class_weight is not None,
-        HAS_SMOOTHING=label_smoothing > 0.0,
-        HAS_SOFTCAP=softcap is not None,
         HAS_Z_LOSS=z_loss_rows is not None,
-        TRACK_ARGMAX=correct_rows is not None,
-        WRITE_GRAD=grad_scale is not None,
+        WRITE_GRAD=write_grad,
         SCALE_PER_ROW=scale_per_row,
-        BLOCK_V=block_v,
-        num_warps=8 if block_v >= 2048 else 4,
+        **flags,
+        num_warps=num_warps,
     )

@@ -16,7 +16,7 @@ import torch
 
 from flce_policy.geometry import Geometry
 
-from .ce_kernel import ce_rows
+from .ce_kernel import ce_rows, ce_workspace
 
 __all__ = ["CEParams", "GradRequest", "DriverOutputs", "ChunkEvent", "run_geometry", "observe_chunks"]
 
@@ -137,6 +137,7 @@ def run_geometry(
 
     chunk_size = geometry.chunk_size
     slab = torch.empty((chunk_size, geometry.vocab_chunk), dtype=x.dtype, device=device)
+    workspace = ce_workspace(chunk_size, geometry.vocab_chunk, device)
     weight_t = weight.t()
     for index in range(geometry.num_chunks):
         start = index * chunk_size
@@ -150,6 +151,7 @@ def run_geometry(
             logits,
             target[start:stop],
             loss_rows[start:stop],
+            workspace,
             ignore_index=params.ignore_index,
             label_smoothing=params.label_smoothing,
             softcap=params.softcap,

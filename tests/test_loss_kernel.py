@@ -450,7 +450,7 @@ def test_default_policy_matches_reference():
 def test_vocab_spanning_several_kernel_blocks(monkeypatch, reduction):
     # V=509 walked in blocks of 128 (the last one partial): the online log-sum-exp, argmax,
     # smoothing and class-weight sums carried across blocks. Real vocabularies take this path.
-    monkeypatch.setattr(ce_kernel, "_MAX_BLOCK_V", 128)
+    monkeypatch.setattr(ce_kernel, "MAX_BLOCK_V", 128)
     inputs = make_inputs(**EVERYTHING_INPUTS)
     kt, rt = leaves(inputs, torch.float32), leaves(inputs, torch.float64)
     out = run_flce(kt, policy=FixedChunkSize(8), reduction=reduction, return_token_accuracy=True, **EVERYTHING_OPTIONS)
