@@ -15,6 +15,7 @@ import yaml
 from flce_policy.config import CONFIG_VERSION, ConfigError, load_yaml_file, load_yaml_text, parse_config
 from flce_policy.device import DeviceInfo
 from flce_policy.geometry import Geometry
+from flce_policy.memory import predict_peak
 from flce_policy.problem import Problem
 from flce_policy.strategies import ChunkStrategy, HeuristicC
 from flce_policy.units import format_bytes, parse_bytes
@@ -217,6 +218,7 @@ class FLCEPolicy:
             device = self._probe()
         geometry = self.resolve(problem, device)
         _, strategy = self.resolve_rule(device)
+        peak = predict_peak(geometry)
         return {
             "device": {**device.model_dump(mode="json"), "description": device.describe()},
             "problem": problem.model_dump(mode="json"),
@@ -231,6 +233,8 @@ class FLCEPolicy:
             "num_vocab_chunks": geometry.num_vocab_chunks,
             "slab_bytes": geometry.slab_bytes,
             "slab": format_bytes(geometry.slab_bytes),
+            "predicted_peak_bytes": peak.total_bytes,
+            "predicted_peak": peak.describe(),
             "summary": geometry.describe(),
         }
 
@@ -247,6 +251,7 @@ class FLCEPolicy:
             ("Chunk size", f"{d['chunk_size']} rows (last chunk {d['last_chunk_size']})"),
             ("Chunks", f"{d['num_chunks']} chunks over BT={problem.tokens}"),
             ("Slab", f"{d['slab']} per chunk = {d['chunk_size']} x {d['vocab_chunk']} x {problem.itemsize} bytes"),
+            ("Peak", f"{d['predicted_peak']}, predicted for fwd+bwd with x and W needing grad"),
         ]
         return "\n".join(f"{label + ':':<12}{value}" for label, value in lines)
 

@@ -7,7 +7,8 @@ GPU enough programs. Two launches per chunk:
    blocks keeping an online log-sum-exp (running max ``m`` and ``d = sum(exp(z - m))``, rescaled
    when the max grows), the label-smoothing sums and the argmax, and stores them as partials.
 2. ``_ce_finish_kernel`` (same grid) merges its row's partials into ``lse``, writes the row's
-   loss (segment 0), and overwrites its segment with the gradient. All maths in fp32.
+   loss (segment 0), and overwrites its segment with the gradient. All maths in fp32. Nothing
+   in (2) reads a logit outside its own segment, since other programs overwrite theirs.
 
 Notation: ``x`` the raw logit, ``z = softcap * tanh(x / softcap)`` (or ``z = x``), ``p = softmax(z)``,
 ``w`` the class weights (1 without), ``W = sum_c w_c``, ``eps`` label smoothing, ``y`` the target.
@@ -38,7 +39,7 @@ KERNELS_INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MAX_BLOCK_V = 4096
 #: Programs (rows x segments) a chunk should give the GPU: a few waves on 132 SMs.
 TARGET_PROGRAMS = 2048
-_PARTIALS = 5  # m, d, sum_wz, sum_w, best
+_PARTIALS = 6  # m, d, sum_wz, sum_w, best, z_y
 
 
 class CEWorkspace(NamedTuple):
@@ -47,7 +48,7 @@ class CEWorkspace(NamedTuple):
     block_v: int
     num_segments: int
     segment_len: int  # columns per segment, a multiple of block_v
-    partials: torch.Tensor  # [_PARTIALS, rows, num_segments] fp32
+    partials: torch.Tensor  # [_PARTIALS, rows, num_segments] fp32; z_y at segment 0 only
     best_index: torch.Tensor  # [rows, num_segments] int32
 
 
@@ -137,6 +138,11 @@ def _ce_partial_kernel(
             d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
             m = m_new
         slot = row * NUM_SEGMENTS + segment
+        if (target >= col_start) & (target < col_stop):
+            # Read the target logit now: the finish kernel overwrites the slab with gradients,
+            # and another segment's program may get there before the row's loss is written.
+            z_y = _load_z(row_ptr, target, True, softcap, HAS_SOFTCAP)
+            tl.store(partials_ptr + 5 * plane + row * NUM_SEGMENTS, z_y)
         tl.store(partials_ptr + slot, m)
         tl.store(partials_ptr + plane + slot, d)
         tl.store(partials_ptr + 2 * plane + slot, sum_wz)
@@ -175,8 +181,10 @@ def _ce_finish_kernel(
     NUM_SEGMENTS: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    segment = tl.program_id(1)
+    # Walk the programs in the reverse of the partial kernel's order: the segments it read last
+    # are the ones still in L2, so the second read of the slab starts with cache hits.
+    row = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)
+    segment = tl.num_programs(1) - 1 - tl.program_id(1)
     row_ptr = logits_ptr + row * row_stride
     target = tl.load(target_ptr + row)
     cols = tl.arange(0, BLOCK_V)
@@ -202,9 +210,6 @@ def _ce_finish_kernel(
         m = tl.max(m_s, axis=0)
         lse = m + tl.log(tl.sum(d_s * tl.exp(m_s - m), axis=0))
 
-        z_y = tl.load(row_ptr + target).to(tl.float32)
-        if HAS_SOFTCAP:
-            z_y = softcap * _tanh(z_y / softcap)
         w_y = 1.0
         sum_w = n_cols * 1.0
         if HAS_WEIGHT:
@@ -214,6 +219,7 @@ def _ce_finish_kernel(
         eps_over_v = label_smoothing / n_cols
 
         if segment == 0:
+            z_y = tl.load(partials_ptr + 5 * plane + row * NUM_SEGMENTS)
             ce = (1.0 - label_smoothing) * w_y * (lse - z_y)
             if HAS_SMOOTHING:
                 sum_wz = tl.sum(tl.load(partials_ptr + 2 * plane + slots), axis=0)

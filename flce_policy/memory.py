@@ -1,0 +1,58 @@
+"""Predicted peak transient memory of one loss call: what the chunk driver allocates for a geometry.
+
+The terms mirror the driver's allocations (kernels/driver.py); keep the two in step. Bytes are
+counted over the inputs, as ``torch.cuda.max_memory_allocated()`` minus the allocation before the
+call, so the gradients the call returns (grad_input, grad_weight) are included.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from flce_policy.geometry import Geometry
+from flce_policy.problem import DTYPE_ITEMSIZE
+from flce_policy.units import format_bytes
+
+__all__ = ["MemoryEstimate", "predict_peak"]
+
+_FP32 = DTYPE_ITEMSIZE["float32"]
+_INT64 = 8
+
+
+class MemoryEstimate(NamedTuple):
+    """Peak bytes of one fwd+bwd, and the terms it is made of."""
+
+    total_bytes: int
+    terms: dict[str, int]
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{name} {format_bytes(size)}" for name, size in self.terms.items() if size)
+        return f"{format_bytes(self.total_bytes)} ({parts})"
+
+
+def predict_peak(
+    geometry: Geometry,
+    *,
+    input_grad: bool = True,
+    weight_grad: bool = True,
+    bias: bool = False,
+    accum_dtype: str | None = None,
+) -> MemoryEstimate:
+    """Peak transient bytes when the driver runs ``geometry`` (mean/sum reduction, training).
+
+    ``accum_dtype`` is the grad_weight accumulator ("float32", ...; None = the problem's dtype).
+    An fp32 accumulator is cast to the weight dtype at the end, so both live at once then.
+    """
+    p = geometry.problem
+    accum_itemsize = DTYPE_ITEMSIZE[accum_dtype] if accum_dtype else p.itemsize
+    weight_elems = p.vocab * p.hidden
+    terms = {
+        "slab": geometry.slab_bytes,
+        "grad_input": p.tokens * p.hidden * p.itemsize if input_grad else 0,
+        "grad_weight": weight_elems * accum_itemsize if weight_grad else 0,
+        "grad_weight_cast": weight_elems * p.itemsize if weight_grad and accum_itemsize != p.itemsize else 0,
+        "grad_bias": p.vocab * (_FP32 + p.itemsize) if bias else 0,
+        # per-row loss/z-loss/accuracy (fp32) and the int64 target view
+        "rows": p.tokens * (3 * _FP32 + _INT64),
+    }
+    return MemoryEstimate(sum(terms.values()), terms)
