@@ -93,16 +93,24 @@ def _check_geometry(geometry: Geometry, x: torch.Tensor, weight: torch.Tensor) -
         )
 
 
-def _accumulate_grad_weight(grad_weight: torch.Tensor, grad_logits: torch.Tensor, x_chunk: torch.Tensor) -> None:
-    """grad_weight += grad_logits.T @ x_chunk, written straight into the accumulator."""
+def _accumulate_grad_weight(
+    grad_weight: torch.Tensor, grad_logits: torch.Tensor, x_chunk: torch.Tensor, *, first: bool
+) -> None:
+    """grad_weight (+)= grad_logits.T @ x_chunk, written straight into the accumulator.
+
+    The first chunk overwrites (beta=0: the uninitialised buffer is never read), which saves
+    zero-filling a parameter-sized buffer.
+    """
+    beta = 0 if first else 1
     if grad_weight.dtype == x_chunk.dtype:
-        grad_weight.addmm_(grad_logits.t(), x_chunk)
+        torch.addmm(grad_weight, grad_logits.t(), x_chunk, beta=beta, out=grad_weight)
     elif grad_weight.is_cuda:
-        # cuBLAS accumulates the low-precision product into the fp32 buffer (beta=1): no temporary.
-        torch.addmm(grad_weight, grad_logits.t(), x_chunk, out_dtype=grad_weight.dtype, out=grad_weight)
+        # cuBLAS accumulates the low-precision product into the fp32 buffer: no temporary.
+        torch.addmm(grad_weight, grad_logits.t(), x_chunk, beta=beta, out_dtype=grad_weight.dtype, out=grad_weight)
     else:
         # CPU (interpreter tests only, small shapes): no mixed-dtype GEMM there.
-        grad_weight.addmm_(grad_logits.t().to(grad_weight.dtype), x_chunk.to(grad_weight.dtype))
+        low, high = grad_logits.t().to(grad_weight.dtype), x_chunk.to(grad_weight.dtype)
+        torch.addmm(grad_weight, low, high, beta=beta, out=grad_weight)
 
 
 def run_geometry(
@@ -132,7 +140,7 @@ def run_geometry(
     correct_rows = torch.empty(tokens, dtype=f32, device=device) if params.track_argmax else None
     grad_input = torch.empty_like(x) if grads.input else None
     accum_dtype = grads.accum_dtype or weight.dtype
-    grad_weight = torch.zeros(weight.shape, dtype=accum_dtype, device=device) if grads.weight else None
+    grad_weight = torch.empty(weight.shape, dtype=accum_dtype, device=device) if grads.weight else None
     grad_bias = torch.zeros(vocab, dtype=f32, device=device) if grads.bias else None
 
     chunk_size = geometry.chunk_size
@@ -165,7 +173,7 @@ def run_geometry(
         if grad_input is not None:
             torch.mm(logits, weight, out=grad_input[start:stop])
         if grad_weight is not None:
-            _accumulate_grad_weight(grad_weight, logits, x_chunk)
+            _accumulate_grad_weight(grad_weight, logits, x_chunk, first=index == 0)
         if grad_bias is not None:
             grad_bias += logits.sum(dim=0, dtype=f32)
         if _observers:
