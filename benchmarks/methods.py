@@ -1,22 +1,48 @@
 """The methods the suite compares; each builds a fwd+bwd step over shared inputs.
 
 A method's ``build`` returns a zero-argument step, or raises :class:`Unavailable` with the
-reason (peer not installed, not enough memory) so the row says why it is missing.
+reason (peer not installed, not enough memory) so the row says why it is missing. Our rows and
+Liger's carry a ``plan``: the chunk geometry they run (ours) or whose chunk rule they share
+(Liger's ``chunk_mem_const``), from which :func:`predicted_peak` gives the memory model's answer.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Inputs", "Method", "Unavailable", "default_methods", "make_inputs"]
+from flce_policy.device import DeviceInfo
+from flce_policy.geometry import Geometry
+from flce_policy.memory import predict_peak
+from flce_policy.problem import Problem
+
+if TYPE_CHECKING:
+    from flce_policy.policy import FLCEPolicy
+    from flce_policy.strategies import FixedChunkSize
+
+__all__ = [
+    "FLOOR",
+    "Inputs",
+    "Method",
+    "Unavailable",
+    "default_methods",
+    "make_inputs",
+    "predicted_peak",
+    "select_methods",
+]
 
 Step = Callable[[], None]
+#: The chunk geometry of a method for a (problem, device).
+Plan = Callable[[Problem, DeviceInfo], Geometry]
+#: The name of the reference row every ratio is taken against.
+FLOOR = "gemm_floor"
 
 
 class Unavailable(Exception):
@@ -60,7 +86,11 @@ def _leaf_step(inputs: Inputs, loss_fn: Callable[[torch.Tensor, torch.Tensor], t
 
 @dataclass(frozen=True)
 class Method:
-    """One row of the benchmark: ``family`` groups rows in the plot, ``chunk_size`` when fixed."""
+    """One row of the benchmark: ``family`` groups rows in the plot, ``chunk_size`` when fixed.
+
+    ``accum`` is the grad_weight accumulation ("bf16": the weight dtype, "fp32"); ``plan`` the
+    chunk geometry the row runs or mirrors, None for rows the memory model does not describe.
+    """
 
     name: str
     family: str
@@ -68,6 +98,7 @@ class Method:
     chunk_size: int | None = None
     accum: str = "bf16"
     options: dict[str, Any] = field(default_factory=dict)
+    plan: Plan | None = None
 
 
 def gemm_floor(inputs: Inputs) -> Step:
@@ -139,26 +170,104 @@ def eager(inputs: Inputs) -> Step:
     return _leaf_step(inputs, lambda x, w: F.cross_entropy((x @ w.t()).float(), inputs.target))
 
 
-def default_methods(chunk_sizes: tuple[int, ...] = (256, 512, 1024, 2048, 4096)) -> list[Method]:
-    """The suite's rows: floor, ours (default policy and fixed chunks, bf16 and fp32 accumulation), peers."""
-    from flce_policy import FLCEPolicy
+def _fixed_strategy(chunk: int | None, tokens: int) -> FixedChunkSize:
+    """FixedChunkSize(chunk), or one chunk of all ``tokens`` rows when ``chunk`` is None."""
     from flce_policy.strategies import FixedChunkSize
 
-    policy = FLCEPolicy.default()
-    f32 = torch.float32
-    methods = [Method("gemm_floor", "floor", gemm_floor)]
-    for accum, dtype in (("bf16", None), ("fp32", f32)):
-        methods.append(Method(f"ours_default_{accum}", "ours default", ours(lambda i: policy, dtype), accum=accum))
+    return FixedChunkSize(chunk or tokens)
+
+
+def _fixed_for_inputs(chunk: int | None, inputs: Inputs) -> FixedChunkSize:
+    return _fixed_strategy(chunk, inputs.shape[0])
+
+
+def _fixed_plan(chunk: int | None, problem: Problem, device: DeviceInfo) -> Geometry:
+    return _fixed_strategy(chunk, problem.tokens).geometry(problem, device)
+
+
+def default_methods(
+    chunk_sizes: tuple[int, ...] = (256, 512, 1024, 2048, 4096), *, policy: FLCEPolicy | None = None
+) -> list[Method]:
+    """The suite's rows: floor, ours (default policy and fixed chunks, bf16 and fp32 accumulation), peers.
+
+    ``policy`` is what the ``ours_default`` rows run (default: ``FLCEPolicy.default()``).
+    """
+    from flce_policy import FLCEPolicy
+    from flce_policy.strategies import HeuristicC
+
+    policy = FLCEPolicy.default() if policy is None else policy
+    methods = [Method(FLOOR, "floor", gemm_floor)]
+    for accum, dtype in (("bf16", None), ("fp32", torch.float32)):
+        methods.append(
+            Method(
+                f"ours_default_{accum}",
+                "ours default",
+                ours(lambda _inputs: policy, dtype),
+                accum=accum,
+                plan=policy.resolve,
+            )
+        )
         for chunk in (*chunk_sizes, None):
             label = "one_chunk" if chunk is None else f"chunk{chunk}"
-
-            def fixed(inputs: Inputs, chunk: int | None = chunk) -> Any:
-                return FixedChunkSize(chunk or inputs.shape[0])
-
-            methods.append(Method(f"ours_{label}_{accum}", "ours fixed", ours(fixed, dtype), chunk_size=chunk, accum=accum))
+            methods.append(
+                Method(
+                    f"ours_{label}_{accum}",
+                    "ours fixed",
+                    ours(partial(_fixed_for_inputs, chunk), dtype),
+                    chunk_size=chunk,
+                    accum=accum,
+                    plan=partial(_fixed_plan, chunk),
+                )
+            )
         for c in (1, 16):
-            methods.append(Method(f"liger_c{c}_{accum}", "liger", liger(c, dtype), accum=accum, options={"c": c}))
+            methods.append(
+                Method(
+                    f"liger_c{c}_{accum}",
+                    "liger",
+                    liger(c, dtype),
+                    accum=accum,
+                    options={"c": c},
+                    plan=HeuristicC(c).geometry,  # Liger's chunk rule, reproduced by HeuristicC
+                )
+            )
     methods.append(Method("cce", "cce", cce()))
     methods.append(Method("cce_nofilter", "cce", cce(None)))
     methods.append(Method("eager", "eager", eager))
     return methods
+
+
+def select_methods(methods: Sequence[Method], patterns: Sequence[str] | None) -> list[Method]:
+    """The methods whose name matches any fnmatch ``pattern`` (case-insensitive), in suite order.
+
+    No patterns selects all. The floor row always stays: every ratio is taken against it.
+    A pattern that matches nothing is a ValueError listing the names (a typo would otherwise
+    silently benchmark less).
+    """
+    if not patterns:
+        return list(methods)
+    lowered = [p.lower() for p in patterns]
+    unmatched = [p for p, low in zip(patterns, lowered, strict=True) if not any(_matches(m, low) for m in methods)]
+    if unmatched:
+        names = ", ".join(m.name for m in methods)
+        raise ValueError(f"--methods {' '.join(unmatched)} matches no method; the methods are: {names}")
+    return [m for m in methods if m.name == FLOOR or any(_matches(m, low) for low in lowered)]
+
+
+def _matches(method: Method, pattern: str) -> bool:
+    return fnmatch.fnmatchcase(method.name.lower(), pattern)
+
+
+def predicted_peak(
+    method: Method, shape: tuple[int, int, int], device: DeviceInfo, *, dtype: str = "bfloat16"
+) -> tuple[int | None, int | None]:
+    """(chunk_size, predicted peak bytes) of ``method`` at ``shape`` (BT, H, V) on ``device``.
+
+    The prediction is :func:`flce_policy.memory.predict_peak` at the method's geometry, with an
+    fp32 grad_weight accumulator for the fp32 rows; for Liger it is our model at Liger's chunk.
+    Rows without a plan (floor, CCE, eager) give ``(method.chunk_size, None)``.
+    """
+    if method.plan is None:
+        return method.chunk_size, None
+    geometry = method.plan(Problem(*shape, dtype=dtype), device)
+    accum_dtype = "float32" if method.accum == "fp32" else None
+    return geometry.chunk_size, predict_peak(geometry, accum_dtype=accum_dtype).total_bytes

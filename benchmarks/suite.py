@@ -3,49 +3,78 @@
 from __future__ import annotations
 
 import gc
+import re
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 import torch
 
 from .measure import measure
 from .methods import Method, Unavailable, make_inputs
 
-__all__ = ["Record", "run_suite", "DEFAULT_SHAPES", "parse_shape", "with_floor_ratios"]
+__all__ = ["Record", "run_suite", "DEFAULT_SHAPES", "parse_shape", "format_shape", "with_floor_ratios"]
 
-DEFAULT_SHAPES: tuple[tuple[int, int, int], ...] = (
+Shape = tuple[int, int, int]  # (BT, H, V)
+
+DEFAULT_SHAPES: tuple[Shape, ...] = (
     (4096, 1024, 32768),
     (8192, 5376, 262144),
     (32768, 5376, 262144),
     (32768, 4096, 128256),
 )
 
+_SHAPE_RE = re.compile(r"\s*([0-9]+)\s*[x×]\s*([0-9]+)\s*[x×]\s*([0-9]+)\s*", re.ASCII | re.IGNORECASE)
+
 
 @dataclass
 class Record:
-    shape: tuple[int, int, int]
+    """One (shape, method) result. Times in ms, memory in bytes; ``status`` is "ok" or why it did not run."""
+
+    shape: Shape
     method: str
     family: str
     accum: str
-    chunk_size: int | None = None
+    chunk_size: int | None = None  # rows per chunk the method ran (ours) or mirrors (Liger's rule)
     median_ms: float | None = None
     times_ms: tuple[float, ...] = ()
-    peak_bytes: int | None = None
-    predicted_peak_bytes: int | None = None
-    x_floor: float | None = None
+    peak_bytes: int | None = None  # over the inputs: max_memory_allocated minus the allocation before the call
+    predicted_peak_bytes: int | None = None  # flce_policy.memory.predict_peak at chunk_size
+    x_floor: float | None = None  # median_ms / the gemm_floor median of the same shape and run
     status: str = "ok"
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Record:
+        """The inverse of :meth:`to_dict` (JSON turns tuples into lists); unknown keys are ignored."""
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        values["shape"] = tuple(int(n) for n in values["shape"])
+        values["times_ms"] = tuple(values.get("times_ms") or ())
+        return cls(**values)
 
-def parse_shape(text: str) -> tuple[int, int, int]:
-    """'8192x5376x262144' -> (BT, H, V)."""
-    parts = text.lower().replace("×", "x").split("x")
-    if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+    @property
+    def pred_over_meas(self) -> float | None:
+        """predicted / measured peak, when both are known and the measured peak is non-zero."""
+        if self.predicted_peak_bytes is None or not self.peak_bytes:
+            return None
+        return self.predicted_peak_bytes / self.peak_bytes
+
+
+def parse_shape(text: str) -> Shape:
+    """'8192x5376x262144' -> (BT, H, V); ValueError on anything else."""
+    match = _SHAPE_RE.fullmatch(text)
+    if match is None or any(int(n) == 0 for n in match.groups()):
         raise ValueError(f"a shape is BTxHxV with three positive integers, e.g. 8192x5376x262144; got {text!r}")
-    tokens, hidden, vocab = (int(p) for p in parts)
+    tokens, hidden, vocab = (int(n) for n in match.groups())
     return tokens, hidden, vocab
+
+
+def format_shape(shape: Sequence[int]) -> str:
+    """(8192, 5376, 262144) -> '8192x5376x262144'."""
+    return "x".join(str(n) for n in shape)
 
 
 def with_floor_ratios(records: list[Record]) -> list[Record]:
@@ -59,13 +88,14 @@ def with_floor_ratios(records: list[Record]) -> list[Record]:
 
 
 def run_suite(
-    shapes: Iterable[tuple[int, int, int]],
+    shapes: Iterable[Shape],
     methods: Sequence[Method],
     *,
     logit_std: float = 4.0,
     warmup: int = 2,
     repeats: int = 5,
-    predict_peak: Callable[[Method, tuple[int, int, int]], tuple[int | None, int | None]] | None = None,
+    predict_peak: Callable[[Method, Shape], tuple[int | None, int | None]] | None = None,
+    on_start: Callable[[Shape, Method], None] | None = None,
     on_record: Callable[[Record], None] | None = None,
 ) -> list[Record]:
     """Measure every method at every shape; a method that cannot run gets a record saying why.
@@ -76,6 +106,8 @@ def run_suite(
     for shape in shapes:
         inputs = make_inputs(*shape, logit_std=logit_std)
         for method in methods:
+            if on_start is not None:
+                on_start(shape, method)
             record = Record(shape=shape, method=method.name, family=method.family, accum=method.accum)
             record.chunk_size = method.chunk_size
             if predict_peak is not None:
@@ -85,11 +117,15 @@ def run_suite(
             try:
                 step = method.build(inputs)
                 result = measure(step, warmup=warmup, repeats=repeats)
-                record.median_ms, record.times_ms, record.peak_bytes = result.median_ms, result.times_ms, result.peak_bytes
+                record.median_ms, record.times_ms = result.median_ms, result.times_ms
+                record.peak_bytes = result.peak_bytes
             except Unavailable as why:
                 record.status = str(why)
-            except torch.OutOfMemoryError:
+            except torch.cuda.OutOfMemoryError:
                 record.status = "out of memory"
+            except Exception as err:  # one broken peer must not cost the rest of a long run
+                first_line = (str(err).strip().splitlines() or [""])[0][:200]
+                record.status = f"error: {type(err).__name__}: {first_line}"
             finally:
                 step = None
                 gc.collect()

@@ -1,10 +1,11 @@
-"""``flce-policy``: see what the probe sees, explain a decision, validate a policy file.
+"""``flce-policy``: see what the probe sees, explain a decision, validate a policy file, benchmark.
 
 User errors (bad YAML, unknown strategy or device, bad numbers) print one line per problem on
 stderr and exit 2, never a traceback. ``--json`` prints machine-readable JSON on stdout: for
 ``explain`` one decision object (``chunk_size``, ``num_chunks``, ``slab_bytes``, ...) for one device,
 or ``{"problem", "policy", "decisions": [...]}`` for the known-GPU table. The active policy is
 ``--config FILE``, else the file ``$FLCE_POLICY_CONFIG`` names, else the packaged default.
+``bench`` hands its arguments to ``flce_policy.benchmarks.cli`` (see ``flce-policy bench --help``).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def _positive_int(text: str) -> int:
 
 def _build_parser() -> _Parser:
     parser = _Parser(prog="flce-policy", description="GPU-aware chunk geometry for fused linear cross-entropy.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{probe,explain,validate}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{probe,explain,validate,bench}")
 
     probe = sub.add_parser("probe", help="what the device probe sees, and which rule of the active policy applies")
     probe.add_argument("--config", metavar="FILE", help=f"policy YAML (default: ${CONFIG_ENV_VAR} or the packaged one)")
@@ -127,6 +128,17 @@ def _build_parser() -> _Parser:
     _add_problem_args(validate, model_default=_VALIDATE_MODEL)
     validate.add_argument("--json", action="store_true", help="JSON on stdout")
     validate.set_defaults(run=_cmd_validate)
+
+    # bench parses its own options: every argument after "bench" is handed over as is (prefix_chars
+    # that no argument uses keep argparse from reading --out, --help, ... here).
+    bench = sub.add_parser(
+        "bench",
+        help="time and peak memory of FLCE methods on this GPU (see bench --help)",
+        prefix_chars="\0",
+        add_help=False,
+    )
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(run=_cmd_bench)
     return parser
 
 
@@ -252,6 +264,13 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         console.print(f"note: {note}")
     _print_table(policy, problem, devices, as_json=False, title=f"what {args.file} picks on the known GPUs")
     return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    # Imported here: torch, the kernels and matplotlib load only for bench, so the other commands stay fast.
+    from flce_policy.benchmarks import cli as bench_cli
+
+    return bench_cli.main(args.bench_args, prog="flce-policy bench")
 
 
 # --- output --------------------------------------------------------------------------------------

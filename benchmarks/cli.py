@@ -1,0 +1,330 @@
+"""``flce-policy bench``: measure the methods on this GPU, or re-render a saved run without one.
+
+Writes ``bench.json`` (metadata, records, targets), ``bench.csv`` and ``bench.png`` to ``--out``
+and prints the table and the targets summary (or, with ``--json``, the JSON document on stdout).
+User errors print one ``error:`` line on stderr and exit 2, as the rest of the CLI does.
+Heavy imports (torch, the kernels, matplotlib) happen inside the commands, not at import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main"]
+
+JSON_NAME, CSV_NAME, PNG_NAME = "bench.json", "bench.csv", "bench.png"
+DEFAULT_LOGIT_STD = 4.0
+DEFAULT_REPEATS = 5
+DEFAULT_WARMUP = 2
+MIN_REPEATS = 5  # a median of fewer is too noisy to hold a 1.08x target to
+_GPU_ONLY = ("shapes", "methods", "logit_std", "repeats", "warmup")
+
+
+class _UsageError(Exception):
+    """A bad command line or input file; main prints it on one line and exits 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise _UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str = "flce-policy bench") -> int:
+    """Run ``bench``; returns the exit status (0 ok, 2 user error)."""
+    parser = build_parser(prog)
+    try:
+        args = parser.parse_args(argv)
+        return run(args)
+    except SystemExit as exit_:  # --help
+        return exit_.code if isinstance(exit_.code, int) else 0
+    except (_UsageError, ValueError, OSError) as err:
+        for line in str(err).splitlines() or [""]:
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+
+
+def build_parser(prog: str) -> _Parser:
+    from .suite import DEFAULT_SHAPES, format_shape
+
+    parser = _Parser(
+        prog=prog,
+        description="fwd+bwd time and peak memory of FLCE methods against the three-GEMM floor, on this GPU.",
+    )
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        type=_shape,
+        metavar="BTxHxV",
+        help=f"shapes to run (default: {' '.join(format_shape(s) for s in DEFAULT_SHAPES)})",
+    )
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        metavar="PATTERN",
+        help="fnmatch patterns on method names, e.g. 'ours_*' liger_c1_bf16 (default: all; gemm_floor always runs)",
+    )
+    parser.add_argument(
+        "--logit-std",
+        type=_positive_float,
+        metavar="STD",
+        help=f"std of x @ W.T in the inputs (default {DEFAULT_LOGIT_STD}, a realistic spread; 0.5 is near uniform)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=_int_at_least(MIN_REPEATS),
+        help=f"timed calls per row, median taken (default {DEFAULT_REPEATS})",
+    )
+    parser.add_argument("--warmup", type=_int_at_least(0), help=f"untimed calls first (default {DEFAULT_WARMUP})")
+    parser.add_argument("--out", metavar="DIR", help="output folder (default benchmarks/results/<date>-<gpu>)")
+    parser.add_argument("--json", action="store_true", help="print the JSON document on stdout instead of the table")
+    parser.add_argument(
+        "--from-json",
+        metavar="FILE",
+        help="re-render table, CSV and plot from a saved bench.json (no GPU needed; --out defaults to its folder)",
+    )
+    return parser
+
+
+def _shape(text: str) -> tuple[int, int, int]:
+    from .suite import parse_shape
+
+    try:
+        return parse_shape(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+# --- commands -------------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.from_json:
+        given = [f"--{name.replace('_', '-')}" for name in _GPU_ONLY if getattr(args, name) is not None]
+        if given:
+            raise _UsageError(f"--from-json re-renders a saved run; {', '.join(given)} only apply to a new run")
+        return _rerender(Path(args.from_json), args)
+    return _measure(args)
+
+
+def _measure(args: argparse.Namespace) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise _UsageError(
+            "bench needs a CUDA GPU (torch.cuda.is_available() is False); "
+            "re-render a saved run without one with --from-json FILE"
+        )
+    from flce_policy import FLCEPolicy
+    from flce_policy.probe import probe_device
+
+    from .methods import default_methods, predicted_peak, select_methods
+    from .report import write_csv, write_json
+    from .suite import DEFAULT_SHAPES, Record, run_suite, with_floor_ratios
+
+    policy = FLCEPolicy.default()
+    methods = select_methods(default_methods(policy=policy), args.methods)
+    shapes = list(args.shapes or DEFAULT_SHAPES)
+    device = probe_device()
+    metadata = _metadata(device, policy, shapes, methods, args)
+    out = Path(args.out) if args.out else Path("benchmarks", "results", _run_name(device))
+    out.mkdir(parents=True, exist_ok=True)
+
+    done: list[Record] = []
+    with _Progress(len(shapes) * len(methods)) as progress:
+
+        def on_record(record: Record) -> None:
+            # The JSON is rewritten after every row, so a run cut short (a time limit, a fatal CUDA
+            # error) keeps what it measured.
+            done.append(record)
+            write_json(out / JSON_NAME, with_floor_ratios(done), {**metadata, "complete": False})
+            progress.finished(record)
+
+        records = run_suite(
+            shapes,
+            methods,
+            logit_std=metadata["logit_std"],
+            warmup=metadata["warmup"],
+            repeats=metadata["repeats"],
+            predict_peak=lambda method, shape: predicted_peak(method, shape, device),
+            on_start=progress.started,
+            on_record=on_record,
+        )
+    metadata["complete"] = True
+    write_json(out / JSON_NAME, records, metadata)
+    write_csv(out / CSV_NAME, records)
+    written = [out / JSON_NAME, out / CSV_NAME]
+    try:
+        _plot(records, metadata, out / PNG_NAME)
+        written.append(out / PNG_NAME)
+    except ImportError:
+        # The measurements are the expensive part: keep them, and say how to draw the plot later.
+        later = f"flce-policy bench --from-json {out / JSON_NAME}"
+        print(f"note: no plot (matplotlib is not installed); draw it later with {later}", file=sys.stderr)
+    _show(records, metadata, as_json=args.json)
+    print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
+    return 0
+
+
+def _rerender(path: Path, args: argparse.Namespace) -> int:
+    from .report import read_json, write_csv
+    from .suite import with_floor_ratios
+
+    if not path.is_file():
+        raise _UsageError(f"--from-json {path}: no such file")
+    records, metadata = read_json(path)
+    records = with_floor_ratios(records)
+    if metadata.get("complete") is False:
+        note = "is from a run that did not finish; it holds the rows measured before it stopped"
+        print(f"note: {path} {note}", file=sys.stderr)
+    out = Path(args.out) if args.out else path.parent
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(out / CSV_NAME, records)
+    _show(records, metadata, as_json=args.json)
+    try:
+        _plot(records, metadata, out / PNG_NAME)
+    except ImportError:
+        raise _UsageError("the plot needs matplotlib: pip install 'flce-policy[bench]'") from None
+    print(f"wrote {out / CSV_NAME}, {out / PNG_NAME}", file=sys.stderr)
+    return 0
+
+
+# --- pieces ---------------------------------------------------------------------------------------
+
+
+def _plot(records: Any, metadata: dict[str, Any], path: Path) -> None:
+    from .plot import plot_results
+
+    plot_results(records, metadata, path)
+
+
+def _show(records: Any, metadata: dict[str, Any], *, as_json: bool) -> None:
+    from rich.console import Console
+
+    from .report import render_checks, render_table, target_checks
+
+    checks = target_checks(records)
+    if as_json:
+        document = {
+            "metadata": metadata,
+            "records": [r.to_dict() for r in records],
+            "targets": [c.to_dict() for c in checks],
+        }
+        print(json.dumps(document, indent=2))
+        return
+    # Wide when piped or captured, so rows stay on one line; no markup, statuses may hold brackets.
+    console = Console(width=None if sys.stdout.isatty() else 200, markup=False)
+    title = " | ".join(str(metadata[k]) for k in ("gpu", "date") if metadata.get(k))
+    if metadata.get("logit_std") is not None:
+        title += f" | logit std {metadata['logit_std']}"
+    render_table(records, console, title=title)
+    render_checks(checks, console)
+
+
+class _Progress:
+    """A rich progress bar on stderr, plus one line per finished row (kept in logs, where bars do not render)."""
+
+    def __init__(self, total: int) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        self._bar = Progress(*columns, console=Console(stderr=True, markup=False))
+        self._task = self._bar.add_task("starting", total=total)
+
+    def __enter__(self) -> _Progress:
+        self._bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._bar.stop()
+
+    def started(self, shape: tuple[int, int, int], method: Any) -> None:
+        from .suite import format_shape
+
+        self._bar.update(self._task, description=f"{format_shape(shape)} {method.name}")
+
+    def finished(self, r: Any) -> None:
+        from .suite import format_shape
+
+        ms = "-" if r.median_ms is None else f"{r.median_ms:.2f} ms"
+        peak = "-" if r.peak_bytes is None else f"{r.peak_bytes / 2**30:.2f} GiB"
+        self._bar.console.print(f"{format_shape(r.shape)} {r.method}: {ms}, peak {peak}, {r.status}")
+        self._bar.advance(self._task)
+
+
+def _metadata(device: Any, policy: Any, shapes: list, methods: list, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import triton
+
+    import flce_policy
+
+    from .suite import format_shape
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(),
+        "device": device.describe(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "flce_policy": flce_policy.__version__,
+        "liger_kernel": _version("liger-kernel"),
+        "cut_cross_entropy": _version("cut-cross-entropy"),
+        "policy": policy.source,
+        "logit_std": args.logit_std if args.logit_std is not None else DEFAULT_LOGIT_STD,
+        "warmup": args.warmup if args.warmup is not None else DEFAULT_WARMUP,
+        "repeats": args.repeats if args.repeats is not None else DEFAULT_REPEATS,
+        "shapes": [format_shape(s) for s in shapes],
+        "methods": [m.name for m in methods],
+        "complete": False,
+    }
+
+
+def _version(distribution: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
+
+
+def _run_name(device: Any) -> str:
+    """'2026-11-29-h200': today's date and the GPU family (or its name, slugged)."""
+    gpu = device.family if device.family not in ("unknown", "cpu") else device.name
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-") or "gpu"
+    return f"{datetime.date.today().isoformat()}-{slug}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
