@@ -18,9 +18,8 @@ def main(argv: list[str]) -> None:
     for r in records:
         ratio = f"{r.x_floor:.3f}" if r.x_floor else "-"
         peak = f"{r.peak_bytes / 2**30:.2f}" if r.peak_bytes is not None else "-"
-        print(
-            f"{'x'.join(map(str, r.shape)):>20} {r.method:28} {r.median_ms or 0:9.2f} ms  x{ratio}  {peak} GiB  {r.status}"
-        )
+        shape = "x".join(map(str, r.shape))
+        print(f"{shape:>20} {r.method:28} {r.median_ms or 0:9.2f} ms  x{ratio}  {peak} GiB  {r.status}")
 
 
 if __name__ == "__main__":

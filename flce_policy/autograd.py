@@ -73,7 +73,9 @@ class FLCEFunction(torch.autograd.Function):
         in_forward = want if options.reduction != "none" else GradRequest()
         grad_scale = None
         if in_forward.any:
-            grad_scale = safe_denominators.reciprocal() if options.reduction == "mean" else torch.ones_like(denominators)
+            grad_scale = (
+                safe_denominators.reciprocal() if options.reduction == "mean" else torch.ones_like(denominators)
+            )
 
         if geometry is None:  # empty input: no rows, nothing to run
             out = _empty_outputs(x, weight, bias, in_forward)

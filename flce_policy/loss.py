@@ -20,10 +20,8 @@ from flce_policy.problem import Problem
 
 if TYPE_CHECKING:
     from flce_policy.policy import FLCEPolicy
-    from flce_policy.strategies import ChunkStrategy
 
 __all__ = ["fused_linear_cross_entropy", "FusedLinearCrossEntropyLoss", "FLCEOutput"]
-
 
 
 class FLCEOutput(NamedTuple):
@@ -132,9 +130,7 @@ def _geometry_for(policy: Any, x: torch.Tensor, weight: torch.Tensor) -> Geometr
         policy = _default_policy(os.environ.get("FLCE_POLICY_CONFIG"))
     if isinstance(policy, FLCEPolicy):
         return policy.resolve(problem, device)
-    raise TypeError(
-        f"policy must be an FLCEPolicy, a Geometry, a ChunkStrategy or None; got {type(policy).__name__}"
-    )
+    raise TypeError(f"policy must be an FLCEPolicy, a Geometry, a ChunkStrategy or None; got {type(policy).__name__}")
 
 
 @functools.lru_cache(maxsize=4)
@@ -161,7 +157,9 @@ def _check_tensors(
         raise ValueError(f"weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
     vocab, hidden = weight.shape
     if input.dim() < 1 or input.shape[-1] != hidden:
-        raise ValueError(f"input must be [..., H] with H={hidden} (weight is [V={vocab}, H={hidden}]), got {tuple(input.shape)}")
+        raise ValueError(
+            f"input must be [..., H] with H={hidden} (weight is [V={vocab}, H={hidden}]), got {tuple(input.shape)}"
+        )
     if target.shape != input.shape[:-1]:
         raise ValueError(f"target shape {tuple(target.shape)} must equal input.shape[:-1] = {tuple(input.shape[:-1])}")
     if input.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -204,9 +202,7 @@ def _check_target_range(target: torch.Tensor, vocab: int, ignore_index: int) -> 
     bad = ((target < 0) | (target >= vocab)) & (target != ignore_index)
     if bool(bad.any()):
         first = target[bad][0].item()
-        raise ValueError(
-            f"target holds index {first}, outside [0, V={vocab}) and not ignore_index={ignore_index}"
-        )
+        raise ValueError(f"target holds index {first}, outside [0, V={vocab}) and not ignore_index={ignore_index}")
 
 
 def _check_runnable_device(device: torch.device) -> None:

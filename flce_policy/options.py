@@ -39,7 +39,9 @@ class LossOptions:
         if not _is_real(self.z_loss_scale) or self.z_loss_scale < 0:
             raise ValueError(f"z_loss_scale must be a finite number >= 0, got {self.z_loss_scale!r}")
         if self.accum_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"accum_dtype must be None, torch.float32, torch.bfloat16 or torch.float16; got {self.accum_dtype!r}")
+            raise ValueError(
+                f"accum_dtype must be None, torch.float32, torch.bfloat16 or torch.float16; got {self.accum_dtype!r}"
+            )
 
 
 def _is_real(value: object) -> bool:

@@ -56,7 +56,8 @@ class Problem(BaseModel):
             raise ValueError(f"weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
         if input.dim() < 1 or input.shape[-1] != weight.shape[1]:
             raise ValueError(
-                f"input's last dim must equal weight's hidden size {weight.shape[1]}, got input shape {tuple(input.shape)}"
+                f"input's last dim must equal weight's hidden size {weight.shape[1]}, "
+                f"got input shape {tuple(input.shape)}"
             )
         tokens = input.numel() // input.shape[-1] if input.shape[-1] else 0
         return cls(tokens=tokens, hidden=weight.shape[1], vocab=weight.shape[0], dtype=input.dtype)

@@ -39,7 +39,7 @@ class ChunkStrategy(ABC):
     def pick_chunk_size(self, problem: Problem, device: DeviceInfo) -> int:
         """Rows per chunk wanted for ``problem`` on ``device`` (>= 1; need not be a power of two)."""
 
-    def validate_params(self) -> None:
+    def validate_params(self) -> None:  # noqa: B027 - optional hook, not abstract
         """Raise :class:`StrategyError` if a parameter is invalid. Called before any geometry."""
 
     def geometry(self, problem: Problem, device: DeviceInfo, *, rule: str | None = None) -> Geometry:

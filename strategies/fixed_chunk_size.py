@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from flce_policy.device import DeviceInfo
 from flce_policy.problem import Problem
+
 from .base import ChunkStrategy, StrategyError
 
 __all__ = ["FixedChunkSize"]
@@ -20,7 +21,9 @@ class FixedChunkSize(ChunkStrategy):
     def validate_params(self) -> None:
         value = self.chunk_size
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise StrategyError(f"fixed_chunk_size: chunk_size must be a positive integer, got {value!r}", param="chunk_size")
+            raise StrategyError(
+                f"fixed_chunk_size: chunk_size must be a positive integer, got {value!r}", param="chunk_size"
+            )
 
     def pick_chunk_size(self, problem: Problem, device: DeviceInfo) -> int:
         return self.chunk_size

@@ -5,6 +5,7 @@ from __future__ import annotations
 from flce_policy.device import DeviceInfo
 from flce_policy.problem import Problem
 from flce_policy.units import cdiv, next_pow2
+
 from .base import ChunkStrategy, StrategyError
 
 __all__ = ["HeuristicC"]

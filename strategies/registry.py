@@ -14,7 +14,8 @@ from .slab_budget import SlabBudget
 __all__ = ["BUILTIN_STRATEGIES", "strategy_class", "strategy_from_config"]
 
 BUILTIN_STRATEGIES: dict[str, type[ChunkStrategy]] = {
-    cls.name: cls for cls in (HeuristicC, FixedChunkSize, SlabBudget)  # type: ignore[misc]
+    cls.name: cls
+    for cls in (HeuristicC, FixedChunkSize, SlabBudget)  # type: ignore[misc]
 }
 
 
@@ -55,7 +56,8 @@ def strategy_from_config(config: dict[str, Any]) -> ChunkStrategy:
     unknown = sorted(set(params) - set(accepted))
     if unknown:
         raise StrategyError(
-            f"strategy {name!r} got unknown parameter(s) {', '.join(unknown)}; it accepts: {', '.join(accepted) or 'none'}",
+            f"strategy {name!r} got unknown parameter(s) {', '.join(unknown)}; "
+            f"it accepts: {', '.join(accepted) or 'none'}",
             param=unknown[0],
         )
     signature = inspect.signature(cls.__init__)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from flce_policy.device import DeviceInfo
 from flce_policy.problem import Problem
-from .base import ChunkStrategy, StrategyError
 from flce_policy.units import format_bytes, parse_bytes
+
+from .base import ChunkStrategy, StrategyError
 
 __all__ = ["SlabBudget"]
 
