@@ -41,18 +41,24 @@ def predict_peak(
     """Peak transient bytes when the driver runs ``geometry`` (mean/sum reduction, training).
 
     ``accum_dtype`` is the grad_weight accumulator ("float32", ...; None = the problem's dtype).
-    An fp32 accumulator is cast to the weight dtype at the end, so both live at once then.
+    Two phases: the chunk loop holds the slab; after it, an accumulator of another dtype is cast
+    to the weight dtype, so both copies live at once, but the slab is already freed. The peak
+    is the larger phase, and ``terms`` are that phase's.
     """
     p = geometry.problem
     accum_itemsize = DTYPE_ITEMSIZE[accum_dtype] if accum_dtype else p.itemsize
     weight_elems = p.vocab * p.hidden
-    terms = {
-        "slab": geometry.slab_bytes,
+    held = {
         "grad_input": p.tokens * p.hidden * p.itemsize if input_grad else 0,
         "grad_weight": weight_elems * accum_itemsize if weight_grad else 0,
-        "grad_weight_cast": weight_elems * p.itemsize if weight_grad and accum_itemsize != p.itemsize else 0,
         "grad_bias": p.vocab * (_FP32 + p.itemsize) if bias else 0,
         # per-row loss/z-loss/accuracy (fp32) and the int64 target view
         "rows": p.tokens * (3 * _FP32 + _INT64),
     }
-    return MemoryEstimate(sum(terms.values()), terms)
+    loop = {"slab": geometry.slab_bytes, **held}
+    cast = {
+        **held,
+        "grad_weight_cast": weight_elems * p.itemsize if weight_grad and accum_itemsize != p.itemsize else 0,
+    }
+    peak = max((loop, cast), key=lambda terms: sum(terms.values()))
+    return MemoryEstimate(sum(peak.values()), peak)

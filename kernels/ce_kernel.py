@@ -37,8 +37,11 @@ KERNELS_INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 #: Widest block a program loads at once (elements).
 MAX_BLOCK_V = 4096
-#: Programs (rows x segments) a chunk should give the GPU: a few waves on 132 SMs.
-TARGET_PROGRAMS = 2048
+#: Programs (rows x segments) a chunk should give the GPU: many waves on 132 SMs (measured on H200:
+#: 256 rows x 262144 took 0.127 ms with 2048 programs, 0.123 ms with 8192; benchmarks/notes/tune256.log).
+TARGET_PROGRAMS = 8192
+#: Warps per program for blocks of >= 2048 elements (4 below).
+WIDE_BLOCK_WARPS = 8
 _PARTIALS = 6  # m, d, sum_wz, sum_w, best, z_y
 
 
@@ -296,7 +299,7 @@ def ce_rows(
         NUM_SEGMENTS=ws.num_segments,
         BLOCK_V=ws.block_v,
     )
-    num_warps = 8 if ws.block_v >= 2048 else 4
+    num_warps = WIDE_BLOCK_WARPS if ws.block_v >= 2048 else 4
     softcap_value = softcap if softcap is not None else 1.0
     common = (logits, logits.stride(0), target, class_weight, ws.partials, ws.best_index, plane)
     _ce_partial_kernel[(n_rows, ws.num_segments)](

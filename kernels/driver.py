@@ -181,6 +181,8 @@ def run_geometry(
             for observer in _observers:
                 observer(event)
 
+    # The slab is no longer needed: free it before a cast allocates a second grad_weight.
+    del slab, logits, workspace
     if grad_weight is not None and grad_weight.dtype != weight.dtype:
         grad_weight = grad_weight.to(weight.dtype)
     if grad_bias is not None and bias is not None:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from flce_policy.strategies import ChunkStrategy
-
 from flce_policy.device import DeviceInfo
 from flce_policy.problem import Problem
+from flce_policy.strategies import ChunkStrategy
 
 
 class HalfTokens(ChunkStrategy):

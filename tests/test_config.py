@@ -5,12 +5,12 @@ from __future__ import annotations
 import textwrap
 
 import pytest
-from flce_policy.strategies import FixedChunkSize, HeuristicC, SlabBudget
 
 from flce_policy.config import ConfigError
 from flce_policy.device import DeviceInfo
 from flce_policy.policy import DeviceRule, FLCEPolicy
 from flce_policy.problem import Problem
+from flce_policy.strategies import FixedChunkSize, HeuristicC, SlabBudget
 
 GOOD = """\
 version: 1

@@ -11,7 +11,6 @@ import os
 
 import pytest
 import torch
-
 from gpu_reference import make_inputs, reference_loss_and_grads, rel_l2
 
 pytestmark = [
@@ -64,9 +63,7 @@ def _liger(x, w, y, chunk_mem_const=1, accum_dtype=None):
     liger = pytest.importorskip("liger_kernel.transformers.functional")
     xr = x.detach().clone().requires_grad_()
     wr = w.detach().clone().requires_grad_()
-    loss = liger.liger_fused_linear_cross_entropy(
-        xr, wr, y, chunk_mem_const=chunk_mem_const, accum_dtype=accum_dtype
-    )
+    loss = liger.liger_fused_linear_cross_entropy(xr, wr, y, chunk_mem_const=chunk_mem_const, accum_dtype=accum_dtype)
     loss.backward()
     return loss.detach(), xr.grad, wr.grad
 
@@ -161,8 +158,15 @@ def test_options_on_gpu_match_reference():
     g = torch.randn(1000, device="cuda")
     leaves = [t.clone().requires_grad_() for t in (x, w, b)]
     loss = fused_linear_cross_entropy(
-        *leaves[:2], y, leaves[2], policy=FixedChunkSize(128), reduction="none",
-        softcap=30.0, z_loss_scale=1e-4, label_smoothing=0.1, class_weight=cw,
+        *leaves[:2],
+        y,
+        leaves[2],
+        policy=FixedChunkSize(128),
+        reduction="none",
+        softcap=30.0,
+        z_loss_scale=1e-4,
+        label_smoothing=0.1,
+        class_weight=cw,
     )
     grads = torch.autograd.grad(loss, leaves, g)
     ref_leaves = [t.clone().requires_grad_() for t in (x, w, b)]

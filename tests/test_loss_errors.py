@@ -171,7 +171,7 @@ def _leaves(shape_x: tuple[int, ...], dtype: torch.dtype = torch.float32):
 
 def _check_zero_grads(loss: torch.Tensor, tensors, grad_output: torch.Tensor | None = None) -> None:
     got = torch.autograd.grad(loss, tensors, grad_outputs=grad_output)
-    for g, t in zip(got, tensors):
+    for g, t in zip(got, tensors, strict=True):
         assert g.shape == t.shape and g.dtype == t.dtype
         assert torch.isfinite(g).all()
         assert (g == 0).all()

@@ -109,7 +109,7 @@ def make_inputs(
         out["b"] = b
     if class_weight:
         cw = torch.rand(v, generator=g) * 1.5 + 0.25
-        cw[::40] = 0.0  # some classes switched off, as class weights are used
+        cw[5::40] = 0.0  # some classes switched off, as class weights are used
         out["cw"] = cw
     return {k: t.to(DEVICE) for k, t in out.items()}
 
@@ -143,7 +143,7 @@ def grads(loss: torch.Tensor, t: dict[str, torch.Tensor], grad_output: torch.Ten
     if grad_output is not None:
         grad_output = grad_output.to(loss.dtype)
     values = torch.autograd.grad(loss, [t[k] for k in names], grad_outputs=grad_output)
-    return dict(zip(names, values))
+    return dict(zip(names, values, strict=True))
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -238,14 +238,9 @@ def test_loss_and_grads_match_reference(input_kw, options, reduction):
     assert loss.shape == (shape if reduction == "none" else ())
 
 
-@pytest.mark.skipif(DEVICE == "cuda", reason="the bug is a device-side assert on CUDA, which poisons the context")
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: class weights with an ignore_index >= V: autograd._denominators indexes "
-    "class_weight[target.clamp(min=0)] with the ignore_index itself (IndexError; device assert on CUDA)",
-)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_class_weight_with_ignore_index_above_vocab(reduction):
+    # Regression: the class-weight mass once indexed class_weight with the ignore_index itself.
     inputs = make_inputs(class_weight=True, n_ignored=5, ignore_index=V + 100)
     check_against_reference(
         inputs,
@@ -367,12 +362,9 @@ def test_under_no_grad(reduction):
     assert_close(loss, ref_loss, FP32_TOL, "loss")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: under torch.no_grad() ctx.needs_input_grad is still True, so mean/sum compute every "
-    "gradient (grad_weight [V, H] included) in forward and throw them away",
-)
 def test_no_gradient_work_under_no_grad(monkeypatch):
+    # Regression: ctx.needs_input_grad ignores torch.no_grad(), so mean/sum once computed every
+    # gradient (grad_weight [V, H] included) in forward and threw them away.
     requests: list[GradRequest] = []
     real = flce_autograd.run_geometry
 
@@ -446,14 +438,31 @@ def test_default_policy_matches_reference():
 # --------------------------------------------------------------------------- vocab wider than one block
 
 
+# (MAX_BLOCK_V, TARGET_PROGRAMS, V, segments wanted): the kernel splits a row into column segments
+# of whole blocks (partials, then a finish pass merging them); small blocks make V=509 walk that path.
+SEGMENT_CASES = [
+    pytest.param(128, None, V, "several", id="blocks_128_segments"),
+    pytest.param(32, None, V, "several", id="blocks_32_segments"),
+    # 9 blocks of 32 in 4 segments of 3 blocks: the last segment has no columns
+    pytest.param(32, None, 281, "several", id="blocks_32_empty_segment"),
+    # few programs wanted: one segment walking 16 blocks (the online log-sum-exp across blocks)
+    pytest.param(32, 4, V, "one", id="blocks_32_one_segment"),
+]
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_vocab_spanning_several_kernel_blocks(monkeypatch, reduction):
-    # V=509 walked in blocks of 128 (the last one partial): the online log-sum-exp, argmax,
-    # smoothing and class-weight sums carried across blocks. Real vocabularies take this path.
-    monkeypatch.setattr(ce_kernel, "MAX_BLOCK_V", 128)
-    inputs = make_inputs(**EVERYTHING_INPUTS)
+@pytest.mark.parametrize(("block", "programs", "v", "segments"), SEGMENT_CASES)
+def test_vocab_spanning_several_blocks_and_segments(monkeypatch, block, programs, v, segments, reduction):
+    monkeypatch.setattr(ce_kernel, "MAX_BLOCK_V", block)
+    if programs is not None:
+        monkeypatch.setattr(ce_kernel, "TARGET_PROGRAMS", programs)
+    plan = ce_kernel.ce_workspace(4, v, torch.device(DEVICE))
+    assert plan.block_v == block
+    assert (plan.num_segments > 1) if segments == "several" else (plan.num_segments == 1)
+
+    inputs = make_inputs(13, v=v, **{**EVERYTHING_INPUTS, "n_ignored": 2})  # chunks of 4, 4, 4, 1
     kt, rt = leaves(inputs, torch.float32), leaves(inputs, torch.float64)
-    out = run_flce(kt, policy=FixedChunkSize(8), reduction=reduction, return_token_accuracy=True, **EVERYTHING_OPTIONS)
+    out = run_flce(kt, policy=FixedChunkSize(4), reduction=reduction, return_token_accuracy=True, **EVERYTHING_OPTIONS)
     ref_loss, _, ref_acc = run_reference(rt, reduction=reduction, **EVERYTHING_OPTIONS)
     assert_close(out.loss, ref_loss, FP32_TOL, "loss")
     assert abs(out.token_accuracy.item() - ref_acc.item()) < 1e-6
@@ -463,10 +472,19 @@ def test_vocab_spanning_several_kernel_blocks(monkeypatch, reduction):
         assert_close(got[k], want[k], FP32_TOL, f"grad {k}")
 
 
-def test_vocab_above_max_block_unpatched():
-    # V > 4096: the kernel's real multi-block path, on a tiny problem.
-    inputs = make_inputs(6, 16, 4133, bias=True, class_weight=True, n_ignored=1, seed=3)
-    check_against_reference(inputs, policy=FixedChunkSize(4), label_smoothing=0.1, softcap=8.0, z_loss_scale=0.01)
+@pytest.mark.parametrize("v", [4133, 16411], ids=["two_blocks", "two_segments"])
+def test_vocab_above_max_block_unpatched(v):
+    # V > 4096 with the real constants, on a tiny problem: several blocks, then several segments.
+    inputs = make_inputs(2, 8, v, bias=True, class_weight=True, n_ignored=0, seed=3)
+    kt, rt = leaves(inputs, torch.float32), leaves(inputs, torch.float64)
+    options = {"label_smoothing": 0.1, "softcap": 8.0, "z_loss_scale": 0.01}
+    out = run_flce(kt, policy=FixedChunkSize(2), return_token_accuracy=True, **options)
+    ref_loss, _, ref_acc = run_reference(rt, **options)
+    assert_close(out.loss, ref_loss, FP32_TOL, "loss")
+    assert abs(out.token_accuracy.item() - ref_acc.item()) < 1e-6
+    got, want = grads(out.loss, kt, None), grads(ref_loss, rt, None)
+    for k in want:
+        assert_close(got[k], want[k], FP32_TOL, f"grad {k}")
 
 
 # --------------------------------------------------------------------------- shapes and layouts
@@ -491,6 +509,67 @@ def test_3d_non_contiguous_input(reduction):
         z_loss_scale=0.01,
     )
     assert loss.shape == ((B, T) if reduction == "none" else ())
+
+
+def test_3d_input_extra_outputs_keep_target_shape():
+    B, T = 3, 11
+    inputs = make_inputs(B * T, n_ignored=4)
+    kt, rt = leaves(inputs, torch.float32), leaves(inputs, torch.float64)
+    kt = {**kt, "x": kt["x"].view(B, T, H), "y": kt["y"].view(B, T)}
+    rt = {**rt, "x": rt["x"].view(B, T, H), "y": rt["y"].view(B, T)}
+    options = {"reduction": "none", "z_loss_scale": 0.01}
+    out = run_flce(kt, policy=FixedChunkSize(8), return_z_loss=True, return_token_accuracy=True, **options)
+    ref_loss, ref_z, ref_acc = run_reference(rt, **options)
+    assert out.loss.shape == out.z_loss.shape == (B, T)
+    assert_close(out.loss, ref_loss, FP32_TOL, "loss")
+    assert_close(out.z_loss, ref_z, FP32_TOL, "z_loss")
+    assert abs(out.token_accuracy.item() - ref_acc.item()) < 1e-6
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_return_z_loss_without_z_loss_is_zero(reduction):
+    inputs = make_inputs(n_ignored=2)
+    out = run_flce(leaves(inputs, torch.float32), policy=FixedChunkSize(8), reduction=reduction, return_z_loss=True)
+    ref_loss = run_reference(leaves(inputs, torch.float64), reduction=reduction)[0]
+    assert out.token_accuracy is None
+    assert out.z_loss.shape == ref_loss.shape and (out.z_loss == 0).all()
+    assert_close(out.loss, ref_loss, FP32_TOL, "loss")
+
+
+@pytest.mark.parametrize(("bt", "h", "v"), [(1, 1, 1), (1, 3, 2), (2, 1, 5), (3, 4, 64)])
+def test_tiny_shapes(bt, h, v):
+    # V=1: a single class, the loss is exactly 0; V=64: one exact power-of-two block
+    inputs = make_inputs(bt, h, v, bias=True, class_weight=True, seed=2)
+    check_against_reference(inputs, policy=FixedChunkSize(1), label_smoothing=0.1, softcap=3.0, z_loss_scale=0.01)
+
+
+def test_tied_weight_gradients_accumulate():
+    # The LM head is also the embedding: W gets gradient through the input and as the weight.
+    inputs = make_inputs(bias=False)
+    ids = torch.randint(0, V, (BT,), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+
+    def run(w, fn, **kw):
+        x = w[ids] * 0.5
+        return fn(x, w, inputs["y"], None, **kw)
+
+    w = inputs["w"].clone().requires_grad_()
+    loss = run(w, fused_linear_cross_entropy, policy=FixedChunkSize(8), z_loss_scale=0.01)
+    loss.backward()
+    wr = inputs["w"].double().requires_grad_()
+    ref_loss = run(wr, reference, z_loss_scale=0.01)[0]
+    ref_loss.backward()
+    assert_close(loss, ref_loss, FP32_TOL, "loss")
+    assert_close(w.grad, wr.grad, FP32_TOL, "grad w")
+    # a second call accumulates into the same .grad
+    run(w, fused_linear_cross_entropy, policy=FixedChunkSize(8), z_loss_scale=0.01).backward()
+    assert_close(w.grad, 2 * wr.grad, FP32_TOL, "accumulated grad w")
+
+
+@pytest.mark.parametrize("cw_dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_class_weight_dtypes(cw_dtype):
+    inputs = make_inputs(class_weight=True, n_ignored=3)
+    inputs["cw"] = inputs["cw"].to(cw_dtype)  # the reference gets the same (rounded) values
+    check_against_reference(inputs, policy=FixedChunkSize(8), label_smoothing=0.1)
 
 
 @pytest.mark.parametrize("target_dtype", [torch.int32, torch.int16])
@@ -525,7 +604,10 @@ def _eager_factor(dtype: torch.dtype) -> float:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize(
     ("input_kw", "options"),
-    [pytest.param({"bias": True}, {}, id="plain"), pytest.param(EVERYTHING_INPUTS, EVERYTHING_OPTIONS, id="everything")],
+    [
+        pytest.param({"bias": True}, {}, id="plain"),
+        pytest.param(EVERYTHING_INPUTS, EVERYTHING_OPTIONS, id="everything"),
+    ],
 )
 def test_low_precision_within_eager_error(dtype, accum_dtype, input_kw, options):
     """bf16/fp16 inputs: relative L2 error vs the exact reference bounded by eager torch's own error.

@@ -30,7 +30,18 @@ print(json.dumps({
 def test_wheel_installs_and_imports_outside_the_repo(tmp_path):
     wheel_dir, site = tmp_path / "wheel", tmp_path / "site"
     build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheel_dir), str(REPO)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(wheel_dir),
+            str(REPO),
+        ],
         capture_output=True,
         text=True,
     )

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from flce_policy.strategies import ChunkStrategy, FixedChunkSize, HeuristicC, SlabBudget, StrategyError
 
 from flce_policy import probe
 from flce_policy.config import ConfigError
 from flce_policy.device import KNOWN_GPUS, DeviceInfo
 from flce_policy.policy import DeviceRule, FLCEPolicy
 from flce_policy.problem import Problem
+from flce_policy.strategies import ChunkStrategy, FixedChunkSize, HeuristicC, SlabBudget, StrategyError
 
 GIB = 2**30
 MIB = 2**20

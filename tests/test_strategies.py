@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from flce_policy.device import DeviceInfo
+from flce_policy.problem import Problem
 from flce_policy.strategies import (
     BUILTIN_STRATEGIES,
     ChunkStrategy,
@@ -19,9 +22,6 @@ from flce_policy.strategies import (
     strategy_class,
     strategy_from_config,
 )
-
-from flce_policy.device import DeviceInfo
-from flce_policy.problem import Problem
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 H100 = DeviceInfo.synthetic("H100")

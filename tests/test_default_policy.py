@@ -1,0 +1,46 @@
+"""The packaged default.yaml follows its own documented rule, entry by entry.
+
+Derived entries: max_slab = max(128 MiB, largest power of two <= 3% of (total - 64 GiB)), with
+the total memory of the family's common part (DeviceInfo.synthetic). H200's entry is measured
+(benchmarks/results) and must agree with the rule as well.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from flce_policy import DeviceInfo, FLCEPolicy, Problem
+from flce_policy.device import KNOWN_GPUS
+
+GIB, MIB = 2**30, 2**20
+
+
+def rule_budget(total_bytes: int) -> int:
+    share = 0.03 * (total_bytes - 64 * GIB)
+    power = 1
+    while power * 2 <= share:
+        power *= 2
+    return max(128 * MIB, power)
+
+
+@pytest.mark.parametrize("family", [gpu.family for gpu in KNOWN_GPUS])
+def test_each_known_gpu_gets_the_rule_budget(family):
+    device = DeviceInfo.synthetic(family)
+    policy = FLCEPolicy.packaged()
+    # Gemma-4 31B head at 64k tokens: BT never caps the chunk, so the slab is the budget's.
+    problem = Problem(65536, 5376, 262144)
+    geometry = policy.resolve(problem, device)
+    assert geometry.rule != "default", f"{family} falls through to the default rule"
+    assert geometry.slab_bytes == rule_budget(device.total_memory_bytes), family
+
+
+def test_the_144gb_gh200_gets_the_larger_budget():
+    big = DeviceInfo.synthetic("GH200").model_copy(update={"total_memory_bytes": 141 * GIB})
+    geometry = FLCEPolicy.packaged().resolve(Problem(65536, 5376, 262144), big)
+    assert geometry.slab_bytes == rule_budget(141 * GIB) == 2 * GIB
+
+
+def test_the_40gb_a100_gets_the_floor():
+    small = DeviceInfo.synthetic("A100").model_copy(update={"total_memory_bytes": 40 * GIB})
+    geometry = FLCEPolicy.packaged().resolve(Problem(65536, 5376, 262144), small)
+    assert geometry.slab_bytes == 128 * MIB
