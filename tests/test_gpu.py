@@ -176,5 +176,5 @@ def test_options_on_gpu_match_reference():
     ref = ref + 1e-4 * torch.logsumexp(logits, -1) ** 2 * (y != -100)
     ref_grads = torch.autograd.grad(ref, ref_leaves, g)
     assert rel_l2(loss, ref) < 1e-5
-    for got, want in zip(grads, ref_grads):
+    for got, want in zip(grads, ref_grads, strict=True):
         assert rel_l2(got, want) < 1e-4
