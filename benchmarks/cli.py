@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main"]
+__all__ = ["main", "build_parser", "Parser", "UsageError", "shape_arg", "positive_float", "int_at_least"]
 
 JSON_NAME, CSV_NAME, PNG_NAME = "bench.json", "bench.csv", "bench.png"
 DEFAULT_LOGIT_STD = 4.0
@@ -27,13 +27,13 @@ MIN_REPEATS = 5  # a median of fewer is too noisy to hold a 1.08x target to
 _GPU_ONLY = ("shapes", "methods", "logit_std", "repeats", "warmup")
 
 
-class _UsageError(Exception):
+class UsageError(Exception):
     """A bad command line or input file; main prints it on one line and exits 2."""
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise _UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "flce-policy bench") -> int:
@@ -44,23 +44,23 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "flce-policy bench") 
         return run(args)
     except SystemExit as exit_:  # --help
         return exit_.code if isinstance(exit_.code, int) else 0
-    except (_UsageError, ValueError, OSError) as err:
+    except (UsageError, ValueError, OSError) as err:
         for line in str(err).splitlines() or [""]:
             print(f"error: {line}", file=sys.stderr)
         return 2
 
 
-def build_parser(prog: str) -> _Parser:
+def build_parser(prog: str) -> Parser:
     from .suite import DEFAULT_SHAPES, format_shape
 
-    parser = _Parser(
+    parser = Parser(
         prog=prog,
         description="fwd+bwd time and peak memory of FLCE methods against the three-GEMM floor, on this GPU.",
     )
     parser.add_argument(
         "--shapes",
         nargs="+",
-        type=_shape,
+        type=shape_arg,
         metavar="BTxHxV",
         help=f"shapes to run (default: {' '.join(format_shape(s) for s in DEFAULT_SHAPES)})",
     )
@@ -72,16 +72,16 @@ def build_parser(prog: str) -> _Parser:
     )
     parser.add_argument(
         "--logit-std",
-        type=_positive_float,
+        type=positive_float,
         metavar="STD",
         help=f"std of x @ W.T in the inputs (default {DEFAULT_LOGIT_STD}, a realistic spread; 0.5 is near uniform)",
     )
     parser.add_argument(
         "--repeats",
-        type=_int_at_least(MIN_REPEATS),
+        type=int_at_least(MIN_REPEATS),
         help=f"timed calls per row, median taken (default {DEFAULT_REPEATS})",
     )
-    parser.add_argument("--warmup", type=_int_at_least(0), help=f"untimed calls first (default {DEFAULT_WARMUP})")
+    parser.add_argument("--warmup", type=int_at_least(0), help=f"untimed calls first (default {DEFAULT_WARMUP})")
     parser.add_argument("--out", metavar="DIR", help="output folder (default benchmarks/results/<date>-<gpu>)")
     parser.add_argument("--json", action="store_true", help="print the JSON document on stdout instead of the table")
     parser.add_argument(
@@ -92,7 +92,7 @@ def build_parser(prog: str) -> _Parser:
     return parser
 
 
-def _shape(text: str) -> tuple[int, int, int]:
+def shape_arg(text: str) -> tuple[int, int, int]:
     from .suite import parse_shape
 
     try:
@@ -101,7 +101,7 @@ def _shape(text: str) -> tuple[int, int, int]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def _positive_float(text: str) -> float:
+def positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -111,7 +111,7 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _int_at_least(low: int):
+def int_at_least(low: int):
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     if args.from_json:
         given = [f"--{name.replace('_', '-')}" for name in _GPU_ONLY if getattr(args, name) is not None]
         if given:
-            raise _UsageError(f"--from-json re-renders a saved run; {', '.join(given)} only apply to a new run")
+            raise UsageError(f"--from-json re-renders a saved run; {', '.join(given)} only apply to a new run")
         return _rerender(Path(args.from_json), args)
     return _measure(args)
 
@@ -140,7 +140,7 @@ def _measure(args: argparse.Namespace) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        raise _UsageError(
+        raise UsageError(
             "bench needs a CUDA GPU (torch.cuda.is_available() is False); "
             "re-render a saved run without one with --from-json FILE"
         )
@@ -148,6 +148,7 @@ def _measure(args: argparse.Namespace) -> int:
     from flce_policy.probe import probe_device
 
     from .methods import default_methods, predicted_peak, select_methods
+    from .progress import SuiteProgress
     from .report import write_csv, write_json
     from .suite import DEFAULT_SHAPES, Record, run_suite, with_floor_ratios
 
@@ -160,7 +161,7 @@ def _measure(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     done: list[Record] = []
-    with _Progress(len(shapes) * len(methods)) as progress:
+    with SuiteProgress(len(shapes) * len(methods)) as progress:
 
         def on_record(record: Record) -> None:
             # The JSON is rewritten after every row, so a run cut short (a time limit, a fatal CUDA
@@ -200,7 +201,7 @@ def _rerender(path: Path, args: argparse.Namespace) -> int:
     from .suite import with_floor_ratios
 
     if not path.is_file():
-        raise _UsageError(f"--from-json {path}: no such file")
+        raise UsageError(f"--from-json {path}: no such file")
     records, metadata = read_json(path)
     records = with_floor_ratios(records)
     if metadata.get("complete") is False:
@@ -213,7 +214,7 @@ def _rerender(path: Path, args: argparse.Namespace) -> int:
     try:
         _plot(records, metadata, out / PNG_NAME)
     except ImportError:
-        raise _UsageError("the plot needs matplotlib: pip install 'flce-policy[bench]'") from None
+        raise UsageError("the plot needs matplotlib: pip install 'flce-policy[bench]'") from None
     print(f"wrote {out / CSV_NAME}, {out / PNG_NAME}", file=sys.stderr)
     return 0
 
@@ -248,38 +249,6 @@ def _show(records: Any, metadata: dict[str, Any], *, as_json: bool) -> None:
         title += f" | logit std {metadata['logit_std']}"
     render_table(records, console, title=title)
     render_checks(checks, console)
-
-
-class _Progress:
-    """A rich progress bar on stderr, plus one line per finished row (kept in logs, where bars do not render)."""
-
-    def __init__(self, total: int) -> None:
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        self._bar = Progress(*columns, console=Console(stderr=True, markup=False))
-        self._task = self._bar.add_task("starting", total=total)
-
-    def __enter__(self) -> _Progress:
-        self._bar.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._bar.stop()
-
-    def started(self, shape: tuple[int, int, int], method: Any) -> None:
-        from .suite import format_shape
-
-        self._bar.update(self._task, description=f"{format_shape(shape)} {method.name}")
-
-    def finished(self, r: Any) -> None:
-        from .suite import format_shape
-
-        ms = "-" if r.median_ms is None else f"{r.median_ms:.2f} ms"
-        peak = "-" if r.peak_bytes is None else f"{r.peak_bytes / 2**30:.2f} GiB"
-        self._bar.console.print(f"{format_shape(r.shape)} {r.method}: {ms}, peak {peak}, {r.status}")
-        self._bar.advance(self._task)
 
 
 def _metadata(device: Any, policy: Any, shapes: list, methods: list, args: argparse.Namespace) -> dict[str, Any]:

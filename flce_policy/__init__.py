@@ -3,6 +3,7 @@
 from flce_policy.device import DeviceInfo
 from flce_policy.geometry import Geometry
 from flce_policy.loss import FLCEOutput, FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
+from flce_policy.oom import OOMFallbackWarning
 from flce_policy.policy import DeviceRule, FLCEPolicy
 from flce_policy.probe import probe_device
 from flce_policy.problem import Problem
@@ -14,6 +15,7 @@ __all__ = [
     "FLCEPolicy",
     "FusedLinearCrossEntropyLoss",
     "Geometry",
+    "OOMFallbackWarning",
     "Problem",
     "fused_linear_cross_entropy",
     "probe_device",

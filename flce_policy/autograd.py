@@ -4,6 +4,10 @@ For ``mean``/``sum`` the gradients are computed during forward (the slab is alre
 and only rescaled by ``grad_output`` in backward. For ``none`` the per-token ``grad_output``
 must be folded into dL/dlogits before it is summed into grad_weight, so backward runs the
 chunks again with a per-row scale.
+
+Both passes go through the OOM fallback: a slab that does not fit is retried at half the rows
+(``fallback``, from the policy; without one, the default floor and nothing remembered), and
+``none``'s backward recomputes at the geometry the forward completed at.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from typing import Any
 import torch
 
 from flce_policy.geometry import Geometry
-from flce_policy.kernels.driver import CEParams, DriverOutputs, GradRequest, run_geometry
+from flce_policy.kernels.driver import CEParams, DriverOutputs, GradRequest
+from flce_policy.kernels.resilient import run_with_oom_fallback
+from flce_policy.oom import DEFAULT_OOM_FALLBACK, OOMFallback
 from flce_policy.options import LossOptions
 
 __all__ = ["FLCEFunction"]
@@ -58,6 +64,7 @@ class FLCEFunction(torch.autograd.Function):
         geometry: Geometry | None,
         options: LossOptions,
         grad_enabled: bool,
+        fallback: OOMFallback | None = DEFAULT_OOM_FALLBACK,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # needs_input_grad ignores torch.no_grad(): the caller's grad mode is passed in.
         want = GradRequest(
@@ -80,8 +87,17 @@ class FLCEFunction(torch.autograd.Function):
         if geometry is None:  # empty input: no rows, nothing to run
             out = _empty_outputs(x, weight, bias, in_forward)
         else:
-            out = run_geometry(
-                x, weight, bias, target, geometry, params, in_forward, class_weight=class_weight, grad_scale=grad_scale
+            out, geometry = run_with_oom_fallback(
+                x,
+                weight,
+                bias,
+                target,
+                geometry,
+                params,
+                in_forward,
+                fallback,
+                class_weight=class_weight,
+                grad_scale=grad_scale,
             )
 
         z_rows = out.z_loss_rows if out.z_loss_rows is not None else torch.zeros_like(out.loss_rows)
@@ -100,7 +116,8 @@ class FLCEFunction(torch.autograd.Function):
             accuracy = torch.zeros((), dtype=torch.float32, device=x.device)
         ctx.mark_non_differentiable(z_loss, accuracy)
 
-        ctx.options, ctx.geometry, ctx.want = options, geometry, want
+        # The geometry that completed: reduction none's backward starts from it, not from the one asked for.
+        ctx.options, ctx.geometry, ctx.want, ctx.fallback = options, geometry, want, fallback
         if options.reduction == "none":
             ctx.save_for_backward(x, weight, bias, target, class_weight)
         else:
@@ -120,7 +137,7 @@ class FLCEFunction(torch.autograd.Function):
                 raise RuntimeError("fused_linear_cross_entropy: backward ran twice through the same call")
             grads = _rescale(grads, grad_loss)
         grad_input, grad_weight, grad_bias = grads
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def _rescale(saved: tuple[torch.Tensor | None, ...], grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -136,7 +153,7 @@ def _recompute_grads(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | 
     if ctx.geometry is None:
         return _empty_outputs(x, weight, bias, ctx.want)[3:]
     row_scale = grad_loss.reshape(-1).to(torch.float32).contiguous()
-    out = run_geometry(
+    out, ctx.geometry = run_with_oom_fallback(
         x,
         weight,
         bias,
@@ -144,6 +161,7 @@ def _recompute_grads(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | 
         ctx.geometry,
         _ce_params(ctx.options),
         ctx.want,
+        ctx.fallback,
         class_weight=class_weight,
         grad_scale=row_scale,
         scale_per_row=True,

@@ -5,7 +5,8 @@ stderr and exit 2, never a traceback. ``--json`` prints machine-readable JSON on
 ``explain`` one decision object (``chunk_size``, ``num_chunks``, ``slab_bytes``, ...) for one device,
 or ``{"problem", "policy", "decisions": [...]}`` for the known-GPU table. The active policy is
 ``--config FILE``, else the file ``$FLCE_POLICY_CONFIG`` names, else the packaged default.
-``bench`` hands its arguments to ``flce_policy.benchmarks.cli`` (see ``flce-policy bench --help``).
+``bench`` hands its arguments to ``flce_policy.benchmarks.cli`` (see ``flce-policy bench --help``), ``tune``
+to ``flce_policy.benchmarks.tune`` (see ``flce-policy tune --help``).
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def _positive_int(text: str) -> int:
 
 def _build_parser() -> _Parser:
     parser = _Parser(prog="flce-policy", description="GPU-aware chunk geometry for fused linear cross-entropy.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{probe,explain,validate,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{probe,explain,validate,bench,tune}")
 
     probe = sub.add_parser("probe", help="what the device probe sees, and which rule of the active policy applies")
     probe.add_argument("--config", metavar="FILE", help=f"policy YAML (default: ${CONFIG_ENV_VAR} or the packaged one)")
@@ -139,6 +140,15 @@ def _build_parser() -> _Parser:
     )
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(run=_cmd_bench)
+
+    tune = sub.add_parser(
+        "tune",
+        help="measure chunk sizes on this GPU and write the fastest that fits as a policy YAML (see tune --help)",
+        prefix_chars="\0",
+        add_help=False,
+    )
+    tune.add_argument("tune_args", nargs=argparse.REMAINDER)
+    tune.set_defaults(run=_cmd_tune)
     return parser
 
 
@@ -176,12 +186,13 @@ def _params(pairs: list[str]) -> dict[str, Any]:
         key, sep, text = pair.partition("=")
         if not sep or not key.strip():
             raise _UsageError(f"--param expects KEY=VALUE, got {pair!r}")
-        # Read like a YAML value so the command line means what a config file would: 16 is an int, 512MiB a string.
+        # Read like a YAML value so the command line means what a config file would: 16 is an int, 512MiB a
+        # string, "{strategy: heuristic_c, c: 16}" a nested strategy (free_memory's cap).
         try:
             value = yaml.safe_load(text)
         except yaml.YAMLError:
             value = text
-        params[key.strip()] = text if value is None or isinstance(value, (dict, list)) else value
+        params[key.strip()] = text if value is None or isinstance(value, list) else value
     return params
 
 
@@ -273,6 +284,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return bench_cli.main(args.bench_args, prog="flce-policy bench")
 
 
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from flce_policy.benchmarks import tune  # torch and the kernels load only here, as for bench
+
+    return tune.main(args.tune_args, prog="flce-policy tune")
+
+
 # --- output --------------------------------------------------------------------------------------
 
 
@@ -281,11 +298,22 @@ def _known_devices() -> list[DeviceInfo]:
 
 
 def _decision(policy: FLCEPolicy, problem: Problem, device: DeviceInfo) -> dict[str, Any]:
-    """explain_dict, or the error a strategy gave for this device (a budget smaller than one row, say)."""
+    """explain_dict, or the error a strategy gave for this device (a budget smaller than one row, say).
+
+    A dynamic strategy (free_memory) on a planned GPU has no answer yet: it decides at call time.
+    """
+    rule, strategy = policy.resolve_rule(device)
+    if strategy.dynamic and device.index is None:
+        return {
+            "device": device.model_dump(mode="json"),
+            "rule": rule,
+            "strategy": strategy.config_name(),
+            "params": strategy.get_params(),
+            "at_call_time": "sized at every call from the memory free on the GPU",
+        }
     try:
         return policy.explain_dict(problem, device)
     except ValueError as err:
-        rule, strategy = policy.resolve_rule(device)
         return {
             "device": device.model_dump(mode="json"),
             "rule": rule,
@@ -307,6 +335,8 @@ def _print_table(policy: FLCEPolicy, problem: Problem, devices: list[DeviceInfo]
         strategy = f"{row['strategy']} {_params_text(row.get('params', {}))}".strip()
         if "error" in row:
             table.add_row(device.family, memory, row["rule"], strategy, "error", "", row["error"])
+        elif "at_call_time" in row:
+            table.add_row(device.family, memory, row["rule"], strategy, "at call time", "", "from free memory")
         else:
             table.add_row(
                 device.family,

@@ -3,6 +3,8 @@
 A file reads::
 
     version: 1
+    oom_fallback: true       # optional (default true): retry at half the rows when the slab does not fit
+    min_chunk_size: 64       # optional (default 64): the fallback halves no further than this
     default:                 # optional; Liger's heuristic_c with c=1 when left out
       strategy: heuristic_c
       c: 1
@@ -11,11 +13,17 @@ A file reads::
         min_total_memory: 90GiB   # optional; also max_total_memory
         strategy: slab_budget
         max_slab: 512MiB     # a strategy's parameters sit beside its name
+      - match: "*"
+        strategy: free_memory
+        cap:                 # a strategy parameter may itself be a strategy mapping
+          strategy: heuristic_c
+          c: 16
 
 ``match`` is a device family (case-insensitive) or an fnmatch glob on the device name; ``"*"``
 matches every device, the CPU fallback included (write ``match: cpu`` to single that out).
 Every error names the source (file) and the key path, e.g.
-``config.yaml: devices[1].max_slab: cannot parse 'lots' as a byte size ...``.
+``config.yaml: devices[1].max_slab: cannot parse 'lots' as a byte size ...``, and into a nested
+strategy: ``devices[1].cap.c: c must be a positive integer, got 0``.
 This module only parses; :mod:`flce_policy.policy` turns the result into a policy.
 """
 
@@ -44,7 +52,7 @@ __all__ = [
 CONFIG_VERSION = 1
 #: Keys a ``devices`` entry understands besides the parameters of its strategy.
 RULE_KEYS = ("match", "min_total_memory", "max_total_memory", "strategy")
-_TOP_KEYS = ("version", "default", "devices")
+_TOP_KEYS = ("version", "oom_fallback", "min_chunk_size", "default", "devices")
 
 
 class ConfigError(ValueError):
@@ -68,10 +76,12 @@ class RuleConfig(NamedTuple):
 
 
 class PolicyConfig(NamedTuple):
-    """A validated file: the default strategy (None when the file leaves it out) and the ordered rules."""
+    """A validated file: the default strategy and OOM settings (None when the file leaves them out), and the rules."""
 
     default: ChunkStrategy | None
     rules: list[RuleConfig]
+    oom_fallback: bool | None = None
+    min_chunk_size: int | None = None
 
 
 # --- the schema ----------------------------------------------------------------------------------
@@ -81,6 +91,8 @@ class _TopLevel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     version: Any
+    oom_fallback: Any = None
+    min_chunk_size: Any = None
     default: dict[str, Any] | None = None
     devices: list[Any] | None = None  # `devices:` with nothing under it reads as null: no rules
 
@@ -91,6 +103,20 @@ class _TopLevel(BaseModel):
         if isinstance(value, bool) or value != CONFIG_VERSION:
             raise ValueError(f"unsupported version {value!r}; this flce-policy reads version {CONFIG_VERSION}")
         return CONFIG_VERSION
+
+    @field_validator("oom_fallback")
+    @classmethod
+    def _switch(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"expected true or false, got {value!r}")
+        return value
+
+    @field_validator("min_chunk_size")
+    @classmethod
+    def _rows(cls, value: Any) -> Any:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"expected a positive number of rows, got {value!r}")
+        return value
 
 
 class _StrategyEntry(BaseModel):
@@ -154,7 +180,7 @@ def parse_config(data: Any, *, source: str = "<dict>") -> PolicyConfig:
             rules.append(RuleConfig(rule.match, strategy, rule.min_total_memory, rule.max_total_memory))
     if problems:
         raise ConfigError(source, problems)
-    return PolicyConfig(default, rules)
+    return PolicyConfig(default, rules, top.oom_fallback, top.min_chunk_size)
 
 
 def _validate(model: type[BaseModel], raw: Any, loc: tuple, problems: list[tuple[str, str]]) -> Any:

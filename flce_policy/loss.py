@@ -19,6 +19,7 @@ from flce_policy.options import LossOptions, Reduction
 from flce_policy.problem import Problem
 
 if TYPE_CHECKING:
+    from flce_policy.oom import OOMFallback
     from flce_policy.policy import FLCEPolicy
 
 __all__ = ["fused_linear_cross_entropy", "FusedLinearCrossEntropyLoss", "FLCEOutput"]
@@ -62,6 +63,8 @@ def fused_linear_cross_entropy(
         bias: optional ``[V]``.
         policy: an :class:`FLCEPolicy` (default: ``FLCEPolicy.default()``, which honours
             ``FLCE_POLICY_CONFIG``), a :class:`Geometry` for this exact problem, or a strategy.
+            A slab that runs out of memory is retried at half the rows (``OOMFallbackWarning``);
+            a policy sets the floor, may switch it off, and remembers the size that completed.
         softcap: logits become ``softcap * tanh(logits / softcap)`` before the loss.
         z_loss_scale: adds ``z_loss_scale * logsumexp(logits)**2`` per non-ignored token, averaged
             over the non-ignored tokens for ``mean`` (not class-weighted).
@@ -82,12 +85,12 @@ def fused_linear_cross_entropy(
         accum_dtype=accum_dtype,
     )
     x, target_flat, class_weight = _check_tensors(input, weight, target, bias, class_weight, options)
-    geometry = _geometry_for(policy, x, weight) if x.shape[0] else None
+    geometry, fallback = _geometry_for(policy, x, weight) if x.shape[0] else (None, None)
 
     from flce_policy.autograd import FLCEFunction
 
     loss, z_loss, accuracy = FLCEFunction.apply(
-        x, weight, bias, target_flat, class_weight, geometry, options, torch.is_grad_enabled()
+        x, weight, bias, target_flat, class_weight, geometry, options, torch.is_grad_enabled(), fallback
     )
     if reduction == "none":
         loss, z_loss = loss.view(target.shape), z_loss.view(target.shape)
@@ -114,22 +117,24 @@ class FusedLinearCrossEntropyLoss(nn.Module):
         return ", ".join([f"policy={self.policy!r}"] + [f"{k}={v!r}" for k, v in self.options.items()])
 
 
-def _geometry_for(policy: Any, x: torch.Tensor, weight: torch.Tensor) -> Geometry:
+def _geometry_for(policy: Any, x: torch.Tensor, weight: torch.Tensor) -> tuple[Geometry, OOMFallback | None]:
+    """The geometry to run, and how an OOM on its slab is answered (a policy's settings, else the default)."""
+    from flce_policy.oom import DEFAULT_OOM_FALLBACK
     from flce_policy.probe import device_for_tensor_device
     from flce_policy.strategies import ChunkStrategy
 
     if isinstance(policy, Geometry):
-        return policy  # checked against the tensors by the driver
+        return policy, DEFAULT_OOM_FALLBACK  # checked against the tensors by the driver
     problem = Problem(tokens=x.shape[0], hidden=x.shape[1], vocab=weight.shape[0], dtype=x.dtype)
     device = device_for_tensor_device(x.device)
     if isinstance(policy, ChunkStrategy):
-        return policy.geometry(problem, device)
+        return policy.geometry(problem, device), DEFAULT_OOM_FALLBACK
     from flce_policy.policy import FLCEPolicy
 
     if policy is None:
         policy = _default_policy(os.environ.get("FLCE_POLICY_CONFIG"))
     if isinstance(policy, FLCEPolicy):
-        return policy.resolve(problem, device)
+        return policy.resolve(problem, device), policy.oom_fallback_for(problem, device)
     raise TypeError(f"policy must be an FLCEPolicy, a Geometry, a ChunkStrategy or None; got {type(policy).__name__}")
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from flce_policy.geometry import Geometry
-from flce_policy.problem import DTYPE_ITEMSIZE
+from flce_policy.problem import DTYPE_ITEMSIZE, Problem
 from flce_policy.units import format_bytes
 
-__all__ = ["MemoryEstimate", "predict_peak"]
+__all__ = ["MemoryEstimate", "predict_peak", "held_beside_slab"]
 
 _FP32 = DTYPE_ITEMSIZE["float32"]
 _INT64 = 8
@@ -47,18 +47,41 @@ def predict_peak(
     """
     p = geometry.problem
     accum_itemsize = DTYPE_ITEMSIZE[accum_dtype] if accum_dtype else p.itemsize
-    weight_elems = p.vocab * p.hidden
-    held = {
-        "grad_input": p.tokens * p.hidden * p.itemsize if input_grad else 0,
-        "grad_weight": weight_elems * accum_itemsize if weight_grad else 0,
-        "grad_bias": p.vocab * (_FP32 + p.itemsize) if bias else 0,
-        # per-row loss/z-loss/accuracy (fp32) and the int64 target view
-        "rows": p.tokens * (3 * _FP32 + _INT64),
-    }
+    held = _held(p, input_grad=input_grad, weight_grad=weight_grad, bias=bias, accum_itemsize=accum_itemsize)
     loop = {"slab": geometry.slab_bytes, **held}
+    weight_elems = p.vocab * p.hidden
     cast = {
         **held,
         "grad_weight_cast": weight_elems * p.itemsize if weight_grad and accum_itemsize != p.itemsize else 0,
     }
     peak = max((loop, cast), key=lambda terms: sum(terms.values()))
     return MemoryEstimate(sum(peak.values()), peak)
+
+
+def held_beside_slab(
+    problem: Problem,
+    *,
+    input_grad: bool = True,
+    weight_grad: bool = True,
+    bias: bool = False,
+    accum_dtype: str | None = None,
+) -> int:
+    """Bytes the chunk loop holds beside the slab: :func:`predict_peak`'s loop phase, less the slab.
+
+    What a strategy sizing the slab from free memory must leave to the rest of the call.
+    """
+    accum_itemsize = DTYPE_ITEMSIZE[accum_dtype] if accum_dtype else problem.itemsize
+    held = _held(problem, input_grad=input_grad, weight_grad=weight_grad, bias=bias, accum_itemsize=accum_itemsize)
+    return sum(held.values())
+
+
+def _held(problem: Problem, *, input_grad: bool, weight_grad: bool, bias: bool, accum_itemsize: int) -> dict[str, int]:
+    """The buffers live through the whole call: the gradients it returns and the per-row outputs."""
+    p = problem
+    return {
+        "grad_input": p.tokens * p.hidden * p.itemsize if input_grad else 0,
+        "grad_weight": p.vocab * p.hidden * accum_itemsize if weight_grad else 0,
+        "grad_bias": p.vocab * (_FP32 + p.itemsize) if bias else 0,
+        # per-row loss/z-loss/accuracy (fp32) and the int64 target view
+        "rows": p.tokens * (3 * _FP32 + _INT64),
+    }

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import fnmatch
+import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -16,6 +17,7 @@ from flce_policy.config import CONFIG_VERSION, ConfigError, load_yaml_file, load
 from flce_policy.device import DeviceInfo
 from flce_policy.geometry import Geometry
 from flce_policy.memory import predict_peak
+from flce_policy.oom import DEFAULT_MIN_CHUNK_SIZE, OOMFallback
 from flce_policy.problem import Problem
 from flce_policy.strategies import ChunkStrategy, HeuristicC
 from flce_policy.units import format_bytes, parse_bytes
@@ -30,6 +32,24 @@ _PACKAGED_SOURCE = "<packaged default.yaml>"
 # Dynamic shapes (varying BT per step) add a key per distinct token count; the cap keeps a long run
 # from growing the cache without bound, and refilling it costs one strategy call per shape.
 _CACHE_LIMIT = 4096
+
+
+class _AskEachCall(NamedTuple):
+    """The cache entry of a dynamic strategy: which one to ask, and the most rows known to fit.
+
+    ``ceiling`` is the geometry an OOM fallback completed at: the strategy's answer is used
+    while it asks for no more rows than that, so a step never pays a known failure again.
+    """
+
+    rule: str
+    strategy: ChunkStrategy
+    ceiling: Geometry | None = None
+
+    def geometry(self, problem: Problem, device: DeviceInfo) -> Geometry:
+        geometry = self.strategy.geometry(problem, device, rule=self.rule)
+        if self.ceiling is not None and geometry.chunk_size > self.ceiling.chunk_size:
+            return self.ceiling
+        return geometry
 
 
 @dataclass(frozen=True)
@@ -99,12 +119,21 @@ class FLCEPolicy:
 
     Build one in code, ``FLCEPolicy(default=HeuristicC(1), rules=[DeviceRule("H100", SlabBudget("1GiB"))])``,
     or from YAML (:meth:`from_yaml`, :meth:`default`). :meth:`resolve` caches its answer per
-    (problem, device), so treat a policy as immutable once in use (or call :meth:`clear_cache`).
-    Equality compares content (strategies and rules), not where the policy was loaded from.
+    (problem, device), so treat a policy as immutable once in use (or call :meth:`clear_cache`);
+    a dynamic strategy (one reading free memory) is asked on every call instead.
+    ``oom_fallback``: a loss call whose slab runs out of memory is retried at half the rows, down
+    to ``min_chunk_size``, and the geometry that completed is remembered (:meth:`remember`).
+    Equality compares content (strategies, rules, OOM settings), not where the policy was loaded from.
     """
 
     def __init__(
-        self, *, default: ChunkStrategy | None = None, rules: Sequence[DeviceRule] = (), source: str = "<code>"
+        self,
+        *,
+        default: ChunkStrategy | None = None,
+        rules: Sequence[DeviceRule] = (),
+        source: str = "<code>",
+        oom_fallback: bool = True,
+        min_chunk_size: int = DEFAULT_MIN_CHUNK_SIZE,
     ) -> None:
         self.default_strategy: ChunkStrategy = HeuristicC(c=1) if default is None else default
         if not isinstance(self.default_strategy, ChunkStrategy):
@@ -114,8 +143,14 @@ class FLCEPolicy:
         for rule in self.rules:
             if not isinstance(rule, DeviceRule):
                 raise TypeError(f"rules must be DeviceRule objects, got {rule!r}")
+        if not isinstance(oom_fallback, bool):
+            raise ValueError(f"oom_fallback must be True or False, got {oom_fallback!r}")
+        if isinstance(min_chunk_size, bool) or not isinstance(min_chunk_size, int) or min_chunk_size < 1:
+            raise ValueError(f"min_chunk_size must be a positive number of rows, got {min_chunk_size!r}")
+        self.oom_fallback = oom_fallback
+        self.min_chunk_size = min_chunk_size
         self.source = source
-        self._cache: dict[tuple[Problem, DeviceInfo], Geometry] = {}
+        self._cache: dict[tuple[Problem, DeviceInfo], Geometry | _AskEachCall] = {}
         self._probed: DeviceInfo | None = None
 
     # --- loading and saving ----------------------------------------------------------------------
@@ -128,7 +163,10 @@ class FLCEPolicy:
             DeviceRule(r.match, r.strategy, min_total_memory=r.min_total_memory, max_total_memory=r.max_total_memory)
             for r in config.rules
         ]
-        return cls(default=config.default, rules=rules, source=source)
+        # Settings the file leaves out keep the constructor's defaults.
+        given = {"oom_fallback": config.oom_fallback, "min_chunk_size": config.min_chunk_size}
+        settings = {key: value for key, value in given.items() if value is not None}
+        return cls(default=config.default, rules=rules, source=source, **settings)
 
     @classmethod
     def from_yaml_text(cls, text: str, *, source: str = "<string>") -> FLCEPolicy:
@@ -164,6 +202,8 @@ class FLCEPolicy:
         """The YAML mapping :meth:`from_dict` reads back, parameters as written."""
         return {
             "version": CONFIG_VERSION,
+            "oom_fallback": self.oom_fallback,
+            "min_chunk_size": self.min_chunk_size,
             "default": self.default_strategy.to_config(),
             "devices": [rule.to_config() for rule in self.rules],
         }
@@ -184,24 +224,49 @@ class FLCEPolicy:
     def resolve(self, problem: Problem, device: DeviceInfo | None = None) -> Geometry:
         """The geometry for ``problem`` on ``device`` (probed once per policy when None).
 
-        Called every training step: a repeated (problem, device) is one dict lookup.
+        Called every training step: a repeated (problem, device) is one dict lookup, unless the
+        strategy is dynamic (it is then asked again, under any geometry :meth:`remember` recorded).
         """
         if device is None:
             device = self._probe()
         key = (problem, device)
-        geometry = self._cache.get(key)
-        if geometry is None:
+        entry = self._cache.get(key)
+        if entry is None:
             rule, strategy = self.resolve_rule(device)
-            geometry = strategy.geometry(problem, device, rule=rule)
-            if len(self._cache) >= _CACHE_LIMIT:
-                self._cache.clear()
-            self._cache[key] = geometry
-        return geometry
+            entry = _AskEachCall(rule, strategy) if strategy.dynamic else strategy.geometry(problem, device, rule=rule)
+            self._store(key, entry)
+        if type(entry) is _AskEachCall:
+            return entry.geometry(problem, device)
+        return entry  # type: ignore[return-value]
+
+    def remember(self, problem: Problem, device: DeviceInfo, geometry: Geometry) -> None:
+        """Use ``geometry`` for ``problem`` on ``device`` from now on: what the OOM fallback calls.
+
+        For a dynamic strategy it becomes a ceiling: the strategy's answer is used while it asks
+        for no more rows. :meth:`clear_cache` forgets it.
+        """
+        if geometry.problem != problem:
+            raise ValueError(
+                f"cannot remember a geometry made for {geometry.problem.describe()} as the one for {problem.describe()}"
+            )
+        rule, strategy = self.resolve_rule(device)
+        self._store((problem, device), _AskEachCall(rule, strategy, geometry) if strategy.dynamic else geometry)
+
+    def oom_fallback_for(self, problem: Problem, device: DeviceInfo) -> OOMFallback | None:
+        """How a loss call of ``problem`` on ``device`` answers an OOM on its slab; None when switched off."""
+        if not self.oom_fallback:
+            return None
+        return OOMFallback(self.min_chunk_size, functools.partial(self.remember, problem, device))
 
     def clear_cache(self) -> None:
-        """Forget cached decisions and the probed device (after mutating a strategy, say)."""
+        """Forget cached and remembered decisions and the probed device (after mutating a strategy, say)."""
         self._cache.clear()
         self._probed = None
+
+    def _store(self, key: tuple[Problem, DeviceInfo], entry: Geometry | _AskEachCall) -> None:
+        if len(self._cache) >= _CACHE_LIMIT and key not in self._cache:
+            self._cache.clear()
+        self._cache[key] = entry
 
     def _probe(self) -> DeviceInfo:
         if self._probed is None:
@@ -236,22 +301,32 @@ class FLCEPolicy:
             "predicted_peak_bytes": peak.total_bytes,
             "predicted_peak": peak.describe(),
             "summary": geometry.describe(),
+            "dynamic": strategy.dynamic,
+            "oom_fallback": self.oom_fallback,
+            "min_chunk_size": self.min_chunk_size,
         }
 
     def explain(self, problem: Problem, device: DeviceInfo | None = None) -> str:
         """A readable account of the decision for ``problem`` on ``device`` (probed when None)."""
         d = self.explain_dict(problem, device)
         params = ", ".join(f"{k}={v!r}" for k, v in d["params"].items()) or "no parameters"
+        when = "; asked again on every call (it reads free memory)" if d["dynamic"] else ""
+        oom = (
+            f"on: retried at half the rows down to {d['min_chunk_size']}, and the size that completes is remembered"
+            if d["oom_fallback"]
+            else "off: an out-of-memory error on the slab propagates"
+        )
         lines = [
             ("Device", d["device"]["description"]),
             ("Problem", problem.describe()),
             ("Policy", d["policy"]),
             ("Rule", d["rule"]),
-            ("Strategy", f"{d['strategy']} ({params})"),
+            ("Strategy", f"{d['strategy']} ({params}){when}"),
             ("Chunk size", f"{d['chunk_size']} rows (last chunk {d['last_chunk_size']})"),
             ("Chunks", f"{d['num_chunks']} chunks over BT={problem.tokens}"),
             ("Slab", f"{d['slab']} per chunk = {d['chunk_size']} x {d['vocab_chunk']} x {problem.itemsize} bytes"),
             ("Peak", f"{d['predicted_peak']}, predicted for fwd+bwd with x and W needing grad"),
+            ("On OOM", oom),
         ]
         return "\n".join(f"{label + ':':<12}{value}" for label, value in lines)
 
@@ -260,9 +335,16 @@ class FLCEPolicy:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, FLCEPolicy):
             return NotImplemented
-        return self.default_strategy == other.default_strategy and self.rules == other.rules
+        return (
+            self.default_strategy == other.default_strategy
+            and self.rules == other.rules
+            and (self.oom_fallback, self.min_chunk_size) == (other.oom_fallback, other.min_chunk_size)
+        )
 
     __hash__ = None  # type: ignore[assignment]  # equal by content, and the cache makes it mutable
 
     def __repr__(self) -> str:
-        return f"FLCEPolicy(default={self.default_strategy!r}, rules={list(self.rules)!r}, source={self.source!r})"
+        return (
+            f"FLCEPolicy(default={self.default_strategy!r}, rules={list(self.rules)!r}, "
+            f"oom_fallback={self.oom_fallback!r}, min_chunk_size={self.min_chunk_size!r}, source={self.source!r})"
+        )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from decimal import Decimal
 
-__all__ = ["cdiv", "next_pow2", "prev_pow2", "parse_bytes", "format_bytes"]
+__all__ = ["cdiv", "next_pow2", "prev_pow2", "parse_bytes", "format_bytes", "exact_size"]
 
 _UNITS = {
     "": 1,
@@ -81,3 +81,16 @@ def format_bytes(n: int | float) -> str:
             return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1024
     return f"{value:.2f} TiB"
+
+
+def exact_size(n: int) -> int | str:
+    """``n`` bytes in the largest binary unit that holds it whole, for a config file: 2**31 -> '2GiB'.
+
+    1002 MiB stays '1002MiB' and a size no unit divides stays the integer, so ``parse_bytes``
+    reads back exactly ``n``, never a rounded neighbour.
+    """
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        size = _UNITS[unit.lower()]
+        if n and n % size == 0:
+            return f"{n // size}{unit}"
+    return n

@@ -1,14 +1,17 @@
 """Row-wise cross-entropy over a logits slab, with dL/dlogits written back into the slab.
 
-Each row is split into ``num_segments`` column segments so that few-row chunks still give the
-GPU enough programs. Two launches per chunk:
+A slab holds one vocab tile (columns ``col_offset ...`` of V; the whole vocabulary for row-only
+geometry). Each row of a tile is split into column segments so that few-row chunks still give the
+GPU enough programs; every (tile, segment) owns one partial slot of the row. Two launches:
 
-1. ``_ce_partial_kernel`` (one program per row and segment) walks its segment in ``BLOCK_V``
-   blocks keeping an online log-sum-exp (running max ``m`` and ``d = sum(exp(z - m))``, rescaled
-   when the max grows), the label-smoothing sums and the argmax, and stores them as partials.
-2. ``_ce_finish_kernel`` (same grid) merges its row's partials into ``lse``, writes the row's
-   loss (segment 0), and overwrites its segment with the gradient. All maths in fp32. Nothing
-   in (2) reads a logit outside its own segment, since other programs overwrite theirs.
+1. ``_ce_partial_kernel`` (one program per row and segment of a tile) walks its segment in
+   ``BLOCK_V`` blocks keeping an online log-sum-exp (running max ``m`` and ``d = sum(exp(z - m))``,
+   rescaled when the max grows), the label-smoothing sums, the argmax and, in the segment holding
+   the target, the target logit, and stores them in its slot.
+2. ``_ce_finish_kernel`` (per tile, same grid) merges all of the row's slots into ``lse``, writes
+   the row's loss (first tile, segment 0), and overwrites its segment with the gradient. All maths
+   in fp32. Nothing in (2) reads a logit outside its own segment, since other programs overwrite
+   theirs. Vocab-tiled geometry runs (1) over every tile, then (2) over every tile recomputed.
 
 Notation: ``x`` the raw logit, ``z = softcap * tanh(x / softcap)`` (or ``z = x``), ``p = softmax(z)``,
 ``w`` the class weights (1 without), ``W = sum_c w_c``, ``eps`` label smoothing, ``y`` the target.
@@ -30,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["KERNELS_INTERPRETED", "CEWorkspace", "ce_rows", "ce_workspace"]
+__all__ = ["KERNELS_INTERPRETED", "CEWorkspace", "ce_finish", "ce_partial", "ce_rows", "ce_workspace"]
 
 #: Triton picks interpreter or compiler when a kernel is decorated, i.e. when this module is imported.
 KERNELS_INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -49,23 +52,29 @@ class CEWorkspace(NamedTuple):
     """Per-call scratch for the row partials, allocated once for the largest chunk."""
 
     block_v: int
-    num_segments: int
+    segments_per_tile: int
     segment_len: int  # columns per segment, a multiple of block_v
-    partials: torch.Tensor  # [_PARTIALS, rows, num_segments] fp32; z_y at segment 0 only
-    best_index: torch.Tensor  # [rows, num_segments] int32
+    slots: int  # partial slots per row: num_tiles * segments_per_tile, padded to a power of two
+    partials: torch.Tensor  # [_PARTIALS, rows, slots] fp32; z_y at slot 0 only
+    best_index: torch.Tensor  # [rows, slots] int32
 
 
-def ce_workspace(rows: int, n_cols: int, device: torch.device) -> CEWorkspace:
-    """Segment plan and scratch for chunks of up to ``rows`` rows of ``n_cols`` logits."""
-    block_v = min(triton.next_power_of_2(n_cols), MAX_BLOCK_V)
-    blocks = triton.cdiv(n_cols, block_v)
+def ce_workspace(rows: int, tile_cols: int, device: torch.device, *, num_tiles: int = 1) -> CEWorkspace:
+    """Segment plan and scratch for chunks of up to ``rows`` rows, in ``num_tiles`` tiles of ``tile_cols``."""
+    block_v = min(triton.next_power_of_2(tile_cols), MAX_BLOCK_V)
+    blocks = triton.cdiv(tile_cols, block_v)
     # Each segment keeps >= 2 blocks so its loop still pipelines loads.
     wanted = triton.next_power_of_2(triton.cdiv(TARGET_PROGRAMS, rows))
-    num_segments = max(1, min(wanted, 1 << ((blocks // 2).bit_length() - 1) if blocks >= 2 else 1))
-    segment_len = triton.cdiv(blocks, num_segments) * block_v
-    partials = torch.empty((_PARTIALS, rows, num_segments), dtype=torch.float32, device=device)
-    best_index = torch.empty((rows, num_segments), dtype=torch.int32, device=device)
-    return CEWorkspace(block_v, num_segments, segment_len, partials, best_index)
+    segments = max(1, min(wanted, 1 << ((blocks // 2).bit_length() - 1) if blocks >= 2 else 1))
+    segment_len = triton.cdiv(blocks, segments) * block_v
+    slots = triton.next_power_of_2(num_tiles * segments)
+    partials = torch.empty((_PARTIALS, rows, slots), dtype=torch.float32, device=device)
+    # Padding slots are never written: make them neutral for the merge (exp(-inf) = 0, sums 0).
+    partials[0].fill_(-float("inf"))
+    partials[1:4].zero_()
+    partials[4].fill_(-float("inf"))
+    best_index = torch.zeros((rows, slots), dtype=torch.int32, device=device)
+    return CEWorkspace(block_v, segments, segment_len, slots, partials, best_index)
 
 
 @triton.jit
@@ -92,6 +101,8 @@ def _ce_partial_kernel(
     best_index_ptr,
     plane,
     n_cols,
+    col_offset,
+    slot_offset,
     segment_len,
     ignore_index,
     softcap,
@@ -99,7 +110,7 @@ def _ce_partial_kernel(
     HAS_SMOOTHING: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     TRACK_ARGMAX: tl.constexpr,
-    NUM_SEGMENTS: tl.constexpr,
+    NUM_SLOTS: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -108,6 +119,7 @@ def _ce_partial_kernel(
     row_ptr = logits_ptr + row * row_stride
     target = tl.load(target_ptr + row)
     if target != ignore_index:
+        local_target = target - col_offset
         cols = tl.arange(0, BLOCK_V)
         col_start = segment * segment_len
         col_stop = tl.minimum(col_start + segment_len, n_cols)
@@ -124,7 +136,7 @@ def _ce_partial_kernel(
             if HAS_SMOOTHING:
                 # masked lanes hold 0 here (softcap(0) == 0), so they add nothing to the sums
                 if HAS_WEIGHT:
-                    w = tl.load(class_weight_ptr + offs, mask=mask, other=0.0)
+                    w = tl.load(class_weight_ptr + col_offset + offs, mask=mask, other=0.0)
                     sum_wz += tl.sum(w * z, axis=0)
                     sum_w += tl.sum(w, axis=0)
                 else:
@@ -136,16 +148,16 @@ def _ce_partial_kernel(
                 block_idx = tl.argmax(z, axis=0)
                 if block_max > best:
                     best = block_max
-                    best_idx = start + block_idx
+                    best_idx = col_offset + start + block_idx
             m_new = tl.maximum(m, block_max)
             d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
             m = m_new
-        slot = row * NUM_SEGMENTS + segment
-        if (target >= col_start) & (target < col_stop):
+        slot = row * NUM_SLOTS + slot_offset + segment
+        if (local_target >= col_start) & (local_target < col_stop):
             # Read the target logit now: the finish kernel overwrites the slab with gradients,
             # and another segment's program may get there before the row's loss is written.
-            z_y = _load_z(row_ptr, target, True, softcap, HAS_SOFTCAP)
-            tl.store(partials_ptr + 5 * plane + row * NUM_SEGMENTS, z_y)
+            z_y = _load_z(row_ptr, local_target, True, softcap, HAS_SOFTCAP)
+            tl.store(partials_ptr + 5 * plane + row * NUM_SLOTS, z_y)
         tl.store(partials_ptr + slot, m)
         tl.store(partials_ptr + plane + slot, d)
         tl.store(partials_ptr + 2 * plane + slot, sum_wz)
@@ -169,6 +181,8 @@ def _ce_finish_kernel(
     z_loss_ptr,
     correct_ptr,
     n_cols,
+    col_offset,
+    vocab,
     segment_len,
     ignore_index,
     label_smoothing,
@@ -179,9 +193,10 @@ def _ce_finish_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
     TRACK_ARGMAX: tl.constexpr,
+    WRITE_LOSS: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     SCALE_PER_ROW: tl.constexpr,
-    NUM_SEGMENTS: tl.constexpr,
+    NUM_SLOTS: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     # Walk the programs in the reverse of the partial kernel's order: the segments it read last
@@ -195,7 +210,7 @@ def _ce_finish_kernel(
     col_stop = tl.minimum(col_start + segment_len, n_cols)
 
     if target == ignore_index:
-        if segment == 0:
+        if WRITE_LOSS and segment == 0:
             tl.store(loss_ptr + row, 0.0)
             if HAS_Z_LOSS:
                 tl.store(z_loss_ptr + row, 0.0)
@@ -206,23 +221,24 @@ def _ce_finish_kernel(
                 offs = start + cols
                 tl.store(row_ptr + offs, tl.zeros([BLOCK_V], dtype=row_ptr.dtype.element_ty), mask=offs < col_stop)
     else:
+        local_target = target - col_offset
         # Merge the row's partial log-sum-exps: lse = M + log(sum_s d_s * exp(m_s - M)).
-        slots = row * NUM_SEGMENTS + tl.arange(0, NUM_SEGMENTS)
+        slots = row * NUM_SLOTS + tl.arange(0, NUM_SLOTS)
         m_s = tl.load(partials_ptr + slots)
         d_s = tl.load(partials_ptr + plane + slots)
         m = tl.max(m_s, axis=0)
         lse = m + tl.log(tl.sum(d_s * tl.exp(m_s - m), axis=0))
 
         w_y = 1.0
-        sum_w = n_cols * 1.0
+        sum_w = vocab * 1.0
         if HAS_WEIGHT:
             w_y = tl.load(class_weight_ptr + target)
             if HAS_SMOOTHING:
                 sum_w = tl.sum(tl.load(partials_ptr + 3 * plane + slots), axis=0)
-        eps_over_v = label_smoothing / n_cols
+        eps_over_v = label_smoothing / vocab
 
-        if segment == 0:
-            z_y = tl.load(partials_ptr + 5 * plane + row * NUM_SEGMENTS)
+        if WRITE_LOSS and segment == 0:
+            z_y = tl.load(partials_ptr + 5 * plane + row * NUM_SLOTS)
             ce = (1.0 - label_smoothing) * w_y * (lse - z_y)
             if HAS_SMOOTHING:
                 sum_wz = tl.sum(tl.load(partials_ptr + 2 * plane + slots), axis=0)
@@ -232,8 +248,8 @@ def _ce_finish_kernel(
                 tl.store(z_loss_ptr + row, z_loss_scale * lse * lse)
             if TRACK_ARGMAX:
                 best_s = tl.load(partials_ptr + 4 * plane + slots)
-                first = tl.argmax(best_s, axis=0)  # earliest segment holding the maximum
-                idx = tl.sum(tl.where(tl.arange(0, NUM_SEGMENTS) == first, tl.load(best_index_ptr + slots), 0))
+                first = tl.argmax(best_s, axis=0)  # earliest slot (= lowest columns) holding the maximum
+                idx = tl.sum(tl.where(tl.arange(0, NUM_SLOTS) == first, tl.load(best_index_ptr + slots), 0))
                 tl.store(correct_ptr + row, (idx == target).to(tl.float32))
 
         if WRITE_GRAD:
@@ -252,10 +268,10 @@ def _ce_finish_kernel(
                 mask = offs < col_stop
                 z = _load_z(row_ptr, offs, mask, softcap, HAS_SOFTCAP)
                 grad = coef_p * tl.exp(z - lse)
-                grad = tl.where(offs == target, grad - coef_y, grad)
+                grad = tl.where(offs == local_target, grad - coef_y, grad)
                 if HAS_SMOOTHING:
                     if HAS_WEIGHT:
-                        w = tl.load(class_weight_ptr + offs, mask=mask, other=0.0)
+                        w = tl.load(class_weight_ptr + col_offset + offs, mask=mask, other=0.0)
                         grad -= scale_ce * eps_over_v * w
                     else:
                         grad -= scale_ce * eps_over_v
@@ -263,6 +279,106 @@ def _ce_finish_kernel(
                     t = z / softcap
                     grad = grad * (1.0 - t * t)
                 tl.store(row_ptr + offs, grad.to(row_ptr.dtype.element_ty), mask=mask)
+
+
+def _flags(ws: CEWorkspace, class_weight, label_smoothing, softcap, correct_rows) -> dict:
+    return dict(
+        HAS_WEIGHT=class_weight is not None,
+        HAS_SMOOTHING=label_smoothing > 0.0,
+        HAS_SOFTCAP=softcap is not None,
+        TRACK_ARGMAX=correct_rows is not None,
+        NUM_SLOTS=ws.slots,
+        BLOCK_V=ws.block_v,
+        num_warps=WIDE_BLOCK_WARPS if ws.block_v >= 2048 else 4,
+    )
+
+
+def ce_partial(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    workspace: CEWorkspace,
+    *,
+    ignore_index: int,
+    col_offset: int = 0,
+    tile_index: int = 0,
+    label_smoothing: float = 0.0,
+    softcap: float | None = None,
+    class_weight: torch.Tensor | None = None,
+    track_argmax: bool = False,
+) -> None:
+    """Pass 1 over one tile: ``logits [n, tile]`` holds columns ``col_offset ...`` of every row."""
+    n_rows, n_cols = logits.shape
+    ws = workspace
+    flags = _flags(ws, class_weight, label_smoothing, softcap, True if track_argmax else None)
+    _ce_partial_kernel[(n_rows, ws.segments_per_tile)](
+        logits,
+        logits.stride(0),
+        target,
+        class_weight,
+        ws.partials,
+        ws.best_index,
+        ws.partials.stride(0),
+        n_cols,
+        col_offset,
+        tile_index * ws.segments_per_tile,
+        ws.segment_len,
+        ignore_index,
+        softcap if softcap is not None else 1.0,
+        **flags,
+    )
+
+
+def ce_finish(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    loss_rows: torch.Tensor,
+    workspace: CEWorkspace,
+    *,
+    ignore_index: int,
+    vocab: int,
+    col_offset: int = 0,
+    write_loss: bool = True,
+    label_smoothing: float = 0.0,
+    softcap: float | None = None,
+    z_loss_scale: float = 0.0,
+    class_weight: torch.Tensor | None = None,
+    z_loss_rows: torch.Tensor | None = None,
+    correct_rows: torch.Tensor | None = None,
+    grad_scale: torch.Tensor | None = None,
+    scale_per_row: bool = False,
+) -> None:
+    """Pass 2 over one tile, after pass 1 saw every tile: the rows' losses and the tile's gradient."""
+    n_rows, n_cols = logits.shape
+    ws = workspace
+    write_grad = grad_scale is not None
+    # Without a gradient only segment 0 has work (the row's loss): launch one program per row.
+    grid = (n_rows, ws.segments_per_tile if write_grad else 1)
+    _ce_finish_kernel[grid](
+        logits,
+        logits.stride(0),
+        target,
+        class_weight,
+        ws.partials,
+        ws.best_index,
+        ws.partials.stride(0),
+        grad_scale,
+        loss_rows,
+        z_loss_rows,
+        correct_rows,
+        n_cols,
+        col_offset,
+        vocab,
+        ws.segment_len,
+        ignore_index,
+        label_smoothing,
+        softcap if softcap is not None else 1.0,
+        z_loss_scale,
+        HAS_Z_LOSS=z_loss_rows is not None,
+        WRITE_LOSS=write_loss,
+        WRITE_GRAD=write_grad,
+        SCALE_PER_ROW=scale_per_row,
+        **_flags(ws, class_weight, label_smoothing, softcap, correct_rows),
+    )
 
 
 def ce_rows(
@@ -283,46 +399,26 @@ def ce_rows(
 ) -> None:
     """Per-row loss of ``logits [n, V]`` (fp32 into ``loss_rows [n]``); gradient in place when ``grad_scale``.
 
-    ``grad_scale`` (fp32, on the device) is ``[scale_ce, scale_z]`` or, with ``scale_per_row``, one
-    scale per row: reading it in the kernel keeps the mean's denominator off the host.
-    ``z_loss_rows`` / ``correct_rows`` receive ``z_loss_scale * lse**2`` and ``argmax == target``.
-    Nothing is checked here: the driver calls it once per chunk.
+    The row-only case: one tile spanning V. ``grad_scale`` (fp32, on the device) is
+    ``[scale_ce, scale_z]`` or, with ``scale_per_row``, one scale per row: reading it in the kernel
+    keeps the mean's denominator off the host. ``z_loss_rows`` / ``correct_rows`` receive
+    ``z_loss_scale * lse**2`` and ``argmax == target``. Nothing is checked here: the driver calls
+    it once per chunk.
     """
-    n_rows, n_cols = logits.shape
-    ws = workspace
-    plane = ws.partials.stride(0)
-    flags = dict(
-        HAS_WEIGHT=class_weight is not None,
-        HAS_SMOOTHING=label_smoothing > 0.0,
-        HAS_SOFTCAP=softcap is not None,
-        TRACK_ARGMAX=correct_rows is not None,
-        NUM_SEGMENTS=ws.num_segments,
-        BLOCK_V=ws.block_v,
+    shared = dict(
+        ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap, class_weight=class_weight
     )
-    num_warps = WIDE_BLOCK_WARPS if ws.block_v >= 2048 else 4
-    softcap_value = softcap if softcap is not None else 1.0
-    common = (logits, logits.stride(0), target, class_weight, ws.partials, ws.best_index, plane)
-    _ce_partial_kernel[(n_rows, ws.num_segments)](
-        *common, n_cols, ws.segment_len, ignore_index, softcap_value, **flags, num_warps=num_warps
-    )
-    write_grad = grad_scale is not None
-    # Without a gradient only segment 0 has work (the row's loss): launch one program per row.
-    grid = (n_rows, ws.num_segments if write_grad else 1)
-    _ce_finish_kernel[grid](
-        *common,
-        grad_scale,
+    ce_partial(logits, target, workspace, track_argmax=correct_rows is not None, **shared)
+    ce_finish(
+        logits,
+        target,
         loss_rows,
-        z_loss_rows,
-        correct_rows,
-        n_cols,
-        ws.segment_len,
-        ignore_index,
-        label_smoothing,
-        softcap_value,
-        z_loss_scale,
-        HAS_Z_LOSS=z_loss_rows is not None,
-        WRITE_GRAD=write_grad,
-        SCALE_PER_ROW=scale_per_row,
-        **flags,
-        num_warps=num_warps,
+        workspace,
+        vocab=logits.shape[1],
+        z_loss_scale=z_loss_scale,
+        z_loss_rows=z_loss_rows,
+        correct_rows=correct_rows,
+        grad_scale=grad_scale,
+        scale_per_row=scale_per_row,
+        **shared,
     )

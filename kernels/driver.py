@@ -17,8 +17,18 @@ import torch
 from flce_policy.geometry import Geometry
 
 from .ce_kernel import ce_rows, ce_workspace
+from .gemm import accumulate_mm
+from .vocab_tiled import run_vocab_tiled
 
-__all__ = ["CEParams", "GradRequest", "DriverOutputs", "ChunkEvent", "run_geometry", "observe_chunks"]
+__all__ = [
+    "CEParams",
+    "GradRequest",
+    "DriverOutputs",
+    "ChunkEvent",
+    "run_geometry",
+    "observe_chunks",
+    "inject_oom",
+]
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,49 @@ def observe_chunks() -> Iterator[list[ChunkEvent]]:
         _observers.remove(events.append)
 
 
+#: Called as ``hook(geometry, index)`` right before chunk ``index`` fills the slab; a hook may raise
+#: (``inject_oom`` raises torch.cuda.OutOfMemoryError). Empty outside tests: one falsy check per chunk.
+_fault_hooks: list[Callable[[Geometry, int], None]] = []
+
+
+@contextmanager
+def inject_oom(*, at_chunk: int = 0, above_rows: int = 0) -> Iterator[list[tuple[int, int]]]:
+    """Raise ``torch.cuda.OutOfMemoryError`` at chunk ``at_chunk`` of every run whose chunks exceed ``above_rows`` rows.
+
+    A device on which a slab of more than ``above_rows`` rows does not fit, for testing what
+    calls the driver without touching torch's allocator: chunk 0 fails as the slab allocation
+    would (the call's buffers are already allocated), a later chunk fails mid-accumulation.
+    Yields the ``(chunk_size, chunk index)`` of every fault raised inside the block.
+    """
+    faults: list[tuple[int, int]] = []
+
+    def hook(geometry: Geometry, index: int) -> None:
+        if index == at_chunk and geometry.chunk_size > above_rows:
+            faults.append((geometry.chunk_size, index))
+            raise torch.cuda.OutOfMemoryError(
+                f"CUDA out of memory (injected by flce_policy.kernels.driver.inject_oom at chunk {index} "
+                f"of {geometry.describe()})"
+            )
+
+    _fault_hooks.append(hook)
+    try:
+        yield faults
+    finally:
+        _fault_hooks.remove(hook)
+
+
+def before_chunk(geometry: Geometry, index: int) -> None:
+    """Run the fault hooks (tests only) before chunk ``index`` fills its slab."""
+    for fault in _fault_hooks:
+        fault(geometry, index)
+
+
+def notify(event: ChunkEvent) -> None:
+    """Report one finished chunk iteration to the observers."""
+    for observer in _observers:
+        observer(event)
+
+
 def _check_geometry(geometry: Geometry, x: torch.Tensor, weight: torch.Tensor) -> None:
     p = geometry.problem
     actual = (x.shape[0], x.shape[1], weight.shape[0], str(x.dtype).removeprefix("torch."))
@@ -87,30 +140,6 @@ def _check_geometry(geometry: Geometry, x: torch.Tensor, weight: torch.Tensor) -
             f"geometry was made for {p.describe()} but the tensors are BT={actual[0]} H={actual[1]} "
             f"V={actual[2]} {actual[3]}; resolve a geometry for this problem"
         )
-    if not geometry.is_row_only:
-        raise NotImplementedError(
-            f"vocab-tiled geometry (vocab_chunk={geometry.vocab_chunk} < V={p.vocab}) is not supported by this driver"
-        )
-
-
-def _accumulate_grad_weight(
-    grad_weight: torch.Tensor, grad_logits: torch.Tensor, x_chunk: torch.Tensor, *, first: bool
-) -> None:
-    """grad_weight (+)= grad_logits.T @ x_chunk, written straight into the accumulator.
-
-    The first chunk overwrites (beta=0: the uninitialised buffer is never read), which saves
-    zero-filling a parameter-sized buffer.
-    """
-    beta = 0 if first else 1
-    if grad_weight.dtype == x_chunk.dtype:
-        torch.addmm(grad_weight, grad_logits.t(), x_chunk, beta=beta, out=grad_weight)
-    elif grad_weight.is_cuda:
-        # cuBLAS accumulates the low-precision product into the fp32 buffer: no temporary.
-        torch.addmm(grad_weight, grad_logits.t(), x_chunk, beta=beta, out_dtype=grad_weight.dtype, out=grad_weight)
-    else:
-        # CPU (interpreter tests only, small shapes): no mixed-dtype GEMM there.
-        low, high = grad_logits.t().to(grad_weight.dtype), x_chunk.to(grad_weight.dtype)
-        torch.addmm(grad_weight, low, high, beta=beta, out=grad_weight)
 
 
 def run_geometry(
@@ -128,26 +157,72 @@ def run_geometry(
 ) -> DriverOutputs:
     """Walk ``x [BT, H]`` in ``geometry.num_chunks`` chunks of ``geometry.chunk_size`` rows.
 
-    ``grad_scale`` multiplies dL/dlogits (``[scale_ce, scale_z]``, or per row with
-    ``scale_per_row``); it is required when ``grads.any``. The returned gradients are of the
-    scaled loss. No host synchronisation happens here.
+    Row-only geometry runs here; vocab-tiled geometry (``vocab_chunk < V``) in
+    :mod:`flce_policy.kernels.vocab_tiled`. ``grad_scale`` multiplies dL/dlogits (``[scale_ce,
+    scale_z]``, or per row with ``scale_per_row``); it is required when ``grads.any``. The
+    returned gradients are of the scaled loss. No host synchronisation happens here.
     """
     _check_geometry(geometry, x, weight)
     tokens, vocab = x.shape[0], weight.shape[0]
     device, f32 = x.device, torch.float32
-    loss_rows = torch.empty(tokens, dtype=f32, device=device)
-    z_loss_rows = torch.empty(tokens, dtype=f32, device=device) if params.z_loss_scale else None
-    correct_rows = torch.empty(tokens, dtype=f32, device=device) if params.track_argmax else None
-    grad_input = torch.empty_like(x) if grads.input else None
-    accum_dtype = grads.accum_dtype or weight.dtype
-    grad_weight = torch.empty(weight.shape, dtype=accum_dtype, device=device) if grads.weight else None
-    grad_bias = torch.zeros(vocab, dtype=f32, device=device) if grads.bias else None
+    # One row chunk of a vocab-tiled geometry writes each grad_weight slice once, already with
+    # fp32 accumulation inside the GEMM: a wider buffer would add nothing.
+    writes_once = not geometry.is_row_only and geometry.num_chunks == 1
+    accum_dtype = weight.dtype if writes_once else grads.accum_dtype or weight.dtype
+    outputs = DriverOutputs(
+        loss_rows=torch.empty(tokens, dtype=f32, device=device),
+        z_loss_rows=torch.empty(tokens, dtype=f32, device=device) if params.z_loss_scale else None,
+        correct_rows=torch.empty(tokens, dtype=f32, device=device) if params.track_argmax else None,
+        grad_input=torch.empty_like(x) if grads.input else None,
+        grad_weight=torch.empty(weight.shape, dtype=accum_dtype, device=device) if grads.weight else None,
+        grad_bias=torch.zeros(vocab, dtype=f32, device=device) if grads.bias else None,
+    )
+    run = _run_rows if geometry.is_row_only else run_vocab_tiled
+    run(
+        x,
+        weight,
+        bias,
+        target,
+        geometry,
+        params,
+        grads,
+        outputs,
+        class_weight=class_weight,
+        grad_scale=grad_scale,
+        scale_per_row=scale_per_row,
+    )
+    # run() has returned, so its slab is freed before a cast allocates a second grad_weight.
+    grad_weight, grad_bias = outputs.grad_weight, outputs.grad_bias
+    if grad_weight is not None and grad_weight.dtype != weight.dtype:
+        grad_weight = grad_weight.to(weight.dtype)
+    if grad_bias is not None and bias is not None:
+        grad_bias = grad_bias.to(bias.dtype)
+    return outputs._replace(grad_weight=grad_weight, grad_bias=grad_bias)
 
-    chunk_size = geometry.chunk_size
-    slab = torch.empty((chunk_size, geometry.vocab_chunk), dtype=x.dtype, device=device)
-    workspace = ce_workspace(chunk_size, geometry.vocab_chunk, device)
+
+def _run_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    geometry: Geometry,
+    params: CEParams,
+    grads: GradRequest,
+    outputs: DriverOutputs,
+    *,
+    class_weight: torch.Tensor | None,
+    grad_scale: torch.Tensor | None,
+    scale_per_row: bool,
+) -> None:
+    """The row-only loop: one [chunk_size, V] slab, three GEMMs per chunk."""
+    loss_rows, z_loss_rows, correct_rows, grad_input, grad_weight, grad_bias = outputs
+    tokens, chunk_size = x.shape[0], geometry.chunk_size
+    slab = torch.empty((chunk_size, geometry.vocab_chunk), dtype=x.dtype, device=x.device)
+    workspace = ce_workspace(chunk_size, geometry.vocab_chunk, x.device)
     weight_t = weight.t()
     for index in range(geometry.num_chunks):
+        if _fault_hooks:
+            before_chunk(geometry, index)
         start = index * chunk_size
         stop = min(start + chunk_size, tokens)
         x_chunk, logits = x[start:stop], slab[: stop - start]
@@ -173,18 +248,9 @@ def run_geometry(
         if grad_input is not None:
             torch.mm(logits, weight, out=grad_input[start:stop])
         if grad_weight is not None:
-            _accumulate_grad_weight(grad_weight, logits, x_chunk, first=index == 0)
+            # The first chunk overwrites (beta=0): no zero-fill of a parameter-sized buffer.
+            accumulate_mm(grad_weight, logits.t(), x_chunk, first=index == 0)
         if grad_bias is not None:
-            grad_bias += logits.sum(dim=0, dtype=f32)
+            grad_bias += logits.sum(dim=0, dtype=torch.float32)
         if _observers:
-            event = ChunkEvent(index, start, stop - start, tuple(slab.shape), slab.numel() * slab.element_size())
-            for observer in _observers:
-                observer(event)
-
-    # The slab is no longer needed: free it before a cast allocates a second grad_weight.
-    del slab, logits, workspace
-    if grad_weight is not None and grad_weight.dtype != weight.dtype:
-        grad_weight = grad_weight.to(weight.dtype)
-    if grad_bias is not None and bias is not None:
-        grad_bias = grad_bias.to(bias.dtype)
-    return DriverOutputs(loss_rows, z_loss_rows, correct_rows, grad_input, grad_weight, grad_bias)
+            notify(ChunkEvent(index, start, stop - start, tuple(slab.shape), slab.numel() * slab.element_size()))

@@ -2,6 +2,7 @@
 
 from .base import ChunkStrategy, StrategyError
 from .fixed_chunk_size import FixedChunkSize
+from .free_memory import FreeMemory
 from .heuristic_c import HeuristicC
 from .registry import BUILTIN_STRATEGIES, strategy_class, strategy_from_config
 from .slab_budget import SlabBudget
@@ -12,6 +13,7 @@ __all__ = [
     "HeuristicC",
     "FixedChunkSize",
     "SlabBudget",
+    "FreeMemory",
     "BUILTIN_STRATEGIES",
     "strategy_class",
     "strategy_from_config",

@@ -34,6 +34,9 @@ class ChunkStrategy(ABC):
     #: Short name used in YAML (``strategy: heuristic_c``); user subclasses may leave it unset
     #: and are then referred to by import path.
     name: ClassVar[str | None] = None
+    #: True when the answer depends on the moment the call is made (free memory), not only on the
+    #: problem and device: a policy then asks the strategy on every call instead of caching it.
+    dynamic: ClassVar[bool] = False
 
     @abstractmethod
     def pick_chunk_size(self, problem: Problem, device: DeviceInfo) -> int:
@@ -75,15 +78,29 @@ class ChunkStrategy(ABC):
         return cls.name or f"{cls.__module__}:{cls.__qualname__}"
 
     def to_config(self) -> dict[str, Any]:
-        """``{"strategy": name, **params}``, the YAML form that :func:`strategy_from_config` reads."""
-        return {"strategy": self.config_name(), **self.get_params()}
+        """``{"strategy": name, **params}``, the YAML form that :func:`strategy_from_config` reads.
+
+        A parameter that is itself a strategy (a cap, say) becomes its own mapping.
+        """
+        params = {k: v.to_config() if isinstance(v, ChunkStrategy) else v for k, v in self.get_params().items()}
+        return {"strategy": self.config_name(), **params}
 
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self.get_params().items())
         return f"{type(self).__name__}({params})"
 
+    # Equal when the YAML is: a nested strategy given as an object equals the mapping that builds it.
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and other.get_params() == self.get_params()  # type: ignore[attr-defined]
+        return type(other) is type(self) and other.to_config() == self.to_config()  # type: ignore[attr-defined]
 
     def __hash__(self) -> int:
-        return hash((type(self), repr(self)))
+        return hash((type(self), repr(_frozen(self.to_config()))))
+
+
+def _frozen(value: Any) -> Any:
+    """``value`` with mappings as key-sorted tuples, so equal configs give equal reprs whatever their key order."""
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _frozen(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return value

@@ -8,6 +8,7 @@ from typing import Any
 
 from .base import ChunkStrategy, StrategyError
 from .fixed_chunk_size import FixedChunkSize
+from .free_memory import FreeMemory
 from .heuristic_c import HeuristicC
 from .slab_budget import SlabBudget
 
@@ -15,7 +16,7 @@ __all__ = ["BUILTIN_STRATEGIES", "strategy_class", "strategy_from_config"]
 
 BUILTIN_STRATEGIES: dict[str, type[ChunkStrategy]] = {
     cls.name: cls
-    for cls in (HeuristicC, FixedChunkSize, SlabBudget)  # type: ignore[misc]
+    for cls in (HeuristicC, FixedChunkSize, SlabBudget, FreeMemory)  # type: ignore[misc]
 }
 
 

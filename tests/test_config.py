@@ -55,6 +55,8 @@ def test_round_trip_keeps_parameters_as_written(tmp_path):
     policy = FLCEPolicy.from_yaml(write(tmp_path, GOOD))
     assert policy.to_dict() == {
         "version": 1,
+        "oom_fallback": True,  # left out of the file: the defaults, written out
+        "min_chunk_size": 64,
         "default": {"strategy": "heuristic_c", "c": 1},
         "devices": [
             {"match": "H100", "strategy": "slab_budget", "max_slab": "1GiB"},
@@ -77,6 +79,19 @@ def test_packaged_default_round_trips():
     policy = FLCEPolicy.packaged()
     assert FLCEPolicy.from_yaml_text(policy.to_yaml()) == policy
     assert FLCEPolicy.from_dict(policy.to_dict()) == policy
+
+
+def test_oom_settings_round_trip_and_count_in_equality(tmp_path):
+    text = "version: 1\noom_fallback: false\nmin_chunk_size: 128\n"
+    policy = FLCEPolicy.from_yaml(write(tmp_path, text))
+    assert (policy.oom_fallback, policy.min_chunk_size) == (False, 128)
+    assert policy == FLCEPolicy(oom_fallback=False, min_chunk_size=128)
+    assert policy != FLCEPolicy() and policy != FLCEPolicy(oom_fallback=False)
+    assert FLCEPolicy.from_yaml_text(policy.to_yaml()) == policy
+    assert list(policy.to_dict())[:3] == ["version", "oom_fallback", "min_chunk_size"]
+    # left out, each keeps its default
+    only_floor = FLCEPolicy.from_yaml_text("version: 1\nmin_chunk_size: 16\n")
+    assert (only_floor.oom_fallback, only_floor.min_chunk_size) == (True, 16)
 
 
 def test_default_may_be_left_out_and_devices_empty():
@@ -142,8 +157,21 @@ BAD = {
     "devices not a list": ("version: 1\ndevices:\n  match: H100\n", "devices: expected a list"),
     "match missing": ("version: 1\ndevices:\n  - strategy: heuristic_c\n", "devices[0].match: required key is missing"),
     "strategy missing": ("version: 1\ndevices:\n  - match: H100\n", "devices[0].strategy: required key is missing"),
-    "unknown top-level key": ("version: 1\nrules: []\n", "rules: unknown key"),
+    "unknown top-level key": (
+        "version: 1\nrules: []\n",
+        "rules: unknown key; a policy file's top-level keys are version, oom_fallback, min_chunk_size, default, "
+        "devices",
+    ),
     "top level not a mapping": ("- version: 1\n", "expected a mapping at the top level"),
+    "oom_fallback not a boolean": ("version: 1\noom_fallback: 1\n", "oom_fallback: expected true or false, got 1"),
+    "min_chunk_size zero": (
+        "version: 1\nmin_chunk_size: 0\n",
+        "min_chunk_size: expected a positive number of rows, got 0",
+    ),
+    "min_chunk_size not an integer": (
+        "version: 1\nmin_chunk_size: 64.5\n",
+        "min_chunk_size: expected a positive number of rows, got 64.5",
+    ),
     "min above max": (
         "version: 1\ndevices:\n  - match: H100\n    min_total_memory: 2GiB\n    max_total_memory: 1GiB\n"
         "    strategy: heuristic_c\n",

@@ -151,13 +151,14 @@ def test_geometry_for_another_problem_is_refused(change):
     assert events == []  # refused before any chunk ran
 
 
-def test_vocab_tiled_geometry_is_refused():
+def test_vocab_tiled_geometry_walks_its_row_chunks():
+    # Vocab tiles within a row chunk are checked against the reference in test_vocab_tiled.py.
     geometry = Geometry.for_problem(Problem(tokens=BT, hidden=H, vocab=V, dtype=torch.float32), 8, vocab_chunk=64)
     x, w, y = make_inputs()
     with observe_chunks() as events:
-        with pytest.raises(NotImplementedError, match="vocab"):
-            fused_linear_cross_entropy(x, w, y, policy=geometry)
-    assert events == []
+        fused_linear_cross_entropy(x, w, y, policy=geometry)
+    assert [e.rows for e in events] == [8] * (BT // 8) + ([BT % 8] if BT % 8 else [])
+    assert {e.slab_shape for e in events} == {(8, 64)}
 
 
 # --------------------------------------------------------------------------- the observer hook

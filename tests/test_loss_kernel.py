@@ -366,13 +366,13 @@ def test_no_gradient_work_under_no_grad(monkeypatch):
     # Regression: ctx.needs_input_grad ignores torch.no_grad(), so mean/sum once computed every
     # gradient (grad_weight [V, H] included) in forward and threw them away.
     requests: list[GradRequest] = []
-    real = flce_autograd.run_geometry
+    real = flce_autograd.run_with_oom_fallback
 
     def spy(*args, **kwargs):
         requests.append(args[6])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(flce_autograd, "run_geometry", spy)
+    monkeypatch.setattr(flce_autograd, "run_with_oom_fallback", spy)
     t = leaves(make_inputs(bias=True), torch.float32)
     with torch.no_grad():
         run_flce(t, policy=FixedChunkSize(8))
@@ -458,7 +458,7 @@ def test_vocab_spanning_several_blocks_and_segments(monkeypatch, block, programs
         monkeypatch.setattr(ce_kernel, "TARGET_PROGRAMS", programs)
     plan = ce_kernel.ce_workspace(4, v, torch.device(DEVICE))
     assert plan.block_v == block
-    assert (plan.num_segments > 1) if segments == "several" else (plan.num_segments == 1)
+    assert (plan.segments_per_tile > 1) if segments == "several" else (plan.segments_per_tile == 1)
 
     inputs = make_inputs(13, v=v, **{**EVERYTHING_INPUTS, "n_ignored": 2})  # chunks of 4, 4, 4, 1
     kt, rt = leaves(inputs, torch.float32), leaves(inputs, torch.float64)

@@ -106,6 +106,32 @@ def test_rule_and_policy_reject_bad_objects():
         FLCEPolicy(rules=[("H100", HeuristicC())])  # type: ignore[list-item]
 
 
+@pytest.mark.parametrize(
+    ("settings", "fragment"),
+    [
+        ({"oom_fallback": "yes"}, "oom_fallback must be True or False, got 'yes'"),
+        ({"oom_fallback": 1}, "oom_fallback must be True or False, got 1"),
+        ({"min_chunk_size": 0}, "min_chunk_size must be a positive number of rows, got 0"),
+        ({"min_chunk_size": True}, "got True"),
+        ({"min_chunk_size": 64.0}, "got 64.0"),
+    ],
+)
+def test_oom_settings_are_checked(settings, fragment):
+    with pytest.raises(ValueError) as info:
+        FLCEPolicy(**settings)
+    assert fragment in str(info.value)
+
+
+def test_oom_fallback_for_hands_out_the_policy_settings():
+    policy = FLCEPolicy(min_chunk_size=32)
+    fallback = policy.oom_fallback_for(GEMMA, H100)
+    assert fallback.min_chunk_size == 32
+    fallback.remember(FixedChunkSize(128).geometry(GEMMA, H100))  # remembered for GEMMA on H100 only
+    assert policy.resolve(GEMMA, H100).chunk_size == 128
+    assert policy.resolve(GEMMA, H200).chunk_size == 256  # Liger's c=1 (test_constructor_defaults_to_liger_c1)
+    assert FLCEPolicy(oom_fallback=False).oom_fallback_for(GEMMA, H100) is None
+
+
 def test_equality_is_by_content_not_source():
     a = FLCEPolicy(default=HeuristicC(c=1), rules=[DeviceRule("H100", SlabBudget("1GiB"))], source="a.yaml")
     b = FLCEPolicy.from_dict(
@@ -180,8 +206,11 @@ def test_explain_names_device_rule_strategy_and_geometry():
         "512 rows",
         "16 chunks",
         "256.00 MiB",
+        "On OOM:     on: retried at half the rows down to 64",
     ):
         assert fragment in text, fragment
+    off = FLCEPolicy(rules=[DeviceRule("H100", SlabBudget("256MiB"))], oom_fallback=False).explain(GEMMA, H100)
+    assert "On OOM:     off: an out-of-memory error on the slab propagates" in off
 
 
 def test_explain_dict_has_the_numbers():

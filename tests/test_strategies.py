@@ -16,6 +16,7 @@ from flce_policy.strategies import (
     BUILTIN_STRATEGIES,
     ChunkStrategy,
     FixedChunkSize,
+    FreeMemory,
     HeuristicC,
     SlabBudget,
     StrategyError,
@@ -226,6 +227,7 @@ def test_builtins_are_registered_by_short_name():
         "heuristic_c": HeuristicC,
         "fixed_chunk_size": FixedChunkSize,
         "slab_budget": SlabBudget,
+        "free_memory": FreeMemory,
     }
     assert strategy_class("slab_budget") is SlabBudget
 
@@ -238,7 +240,7 @@ def test_equality_compares_type_and_params():
 
 
 def test_unknown_strategy_name_lists_the_builtins():
-    with pytest.raises(StrategyError, match="fixed_chunk_size, heuristic_c, slab_budget"):
+    with pytest.raises(StrategyError, match="fixed_chunk_size, free_memory, heuristic_c, slab_budget"):
         strategy_from_config({"strategy": "heuristic"})
 
 

@@ -1,0 +1,421 @@
+"""``flce-policy tune``: measure chunk sizes on this GPU and write the fastest that fits as a policy file.
+
+For each shape the benchmark's ``ours_chunk*`` rows run: our loss at FixedChunkSize over powers
+of two from 256 rows up to one chunk of all BT rows, fwd+bwd, timed and with the peak measured
+over the inputs by :mod:`.suite`. A row *fits* when its measured peak is within ``--max-peak``
+and its slab within ``--max-slab``.
+
+One ``max_slab`` serves every shape (a ``slab_budget`` rule picks per shape from it): of the
+slabs of fitting rows, the smallest at which every shape runs a measured, fitting chunk within
+:data:`TOLERANCE` (2%) of that shape's fastest fitting time; when no slab manages that, the one
+whose worst shape is closest. The smallest, because memory a slab does not take is memory the
+rest of the training step keeps.
+
+The file holds that rule for this GPU's family, the packaged default strategy as ``default``
+(other GPUs), the OOM settings, and the measurements as comments. It is loaded back before it is
+written, so it always passes ``FLCEPolicy.from_yaml`` and ``flce-policy validate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+from flce_policy.device import DeviceInfo
+from flce_policy.geometry import Geometry
+from flce_policy.policy import DeviceRule, FLCEPolicy
+from flce_policy.problem import Problem
+from flce_policy.strategies import SlabBudget, StrategyError
+from flce_policy.units import exact_size, format_bytes, parse_bytes
+
+from .cli import (
+    DEFAULT_LOGIT_STD,
+    DEFAULT_REPEATS,
+    DEFAULT_WARMUP,
+    MIN_REPEATS,
+    Parser,
+    UsageError,
+    int_at_least,
+    positive_float,
+    shape_arg,
+)
+from .suite import Record, format_shape
+
+__all__ = [
+    "TOLERANCE",
+    "SMALLEST_CHUNK",
+    "Limits",
+    "Choice",
+    "chunk_sizes_for",
+    "choose",
+    "rule_match",
+    "tuned_policy",
+    "render",
+    "main",
+]
+
+Shape = tuple[int, int, int]
+
+#: A slab is as good as the fastest fitting one at a shape when it runs within 2% of its time:
+#: about the run-to-run spread of a median of five on an H200, so a larger slab buys nothing sure.
+TOLERANCE = 0.02
+#: The smallest chunk measured; below it the GEMMs fall far from their floor (1.45x at 256 rows).
+SMALLEST_CHUNK = 256
+_OURS_FIXED = "ours fixed"  # the Method.family of FixedChunkSize rows
+
+
+class Limits(NamedTuple):
+    """What a measured row may use: its peak over the inputs and its slab, in bytes (None: no limit)."""
+
+    max_peak: int | None = None
+    max_slab: int | None = None
+
+    def describe(self) -> str:
+        parts = []
+        if self.max_peak is not None:
+            parts.append(f"measured peak <= {format_bytes(self.max_peak)}")
+        if self.max_slab is not None:
+            parts.append(f"slab <= {format_bytes(self.max_slab)}")
+        return " and ".join(parts) or "none"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The chosen ``max_slab``, the row it runs at each shape, and each shape's fastest fitting row."""
+
+    max_slab: int
+    picks: dict[Shape, Record]
+    fastest: dict[Shape, Record]
+    within_tolerance: bool  # False when no slab came within TOLERANCE at every shape
+
+    def ratio(self, shape: Shape) -> float:
+        """The pick's time over the fastest fitting time at ``shape``."""
+        return self.picks[shape].median_ms / self.fastest[shape].median_ms  # type: ignore[operator]
+
+
+def chunk_sizes_for(tokens: int) -> tuple[int, ...]:
+    """Powers of two from :data:`SMALLEST_CHUNK` below ``tokens``; the one-chunk row adds ``tokens`` itself."""
+    sizes, chunk = [], SMALLEST_CHUNK
+    while chunk < tokens:
+        sizes.append(chunk)
+        chunk *= 2
+    return tuple(sizes)
+
+
+def slab_bytes(record: Record, dtype: str = "bfloat16") -> int:
+    """The slab of the row's chunk at its shape."""
+    return Geometry.for_problem(Problem(*record.shape, dtype=dtype), record.chunk_size).slab_bytes  # type: ignore[arg-type]
+
+
+def why_not(record: Record, limits: Limits, dtype: str = "bfloat16") -> str | None:
+    """Why a measured row does not fit the limits (its failure, its peak, its slab), or None when it does."""
+    if record.status != "ok" or record.median_ms is None or record.chunk_size is None:
+        return record.status if record.status != "ok" else "not measured"
+    if limits.max_peak is not None and (record.peak_bytes is None or record.peak_bytes > limits.max_peak):
+        return "peak over the limit"
+    if limits.max_slab is not None and slab_bytes(record, dtype) > limits.max_slab:
+        return "slab over the limit"
+    return None
+
+
+def choose(
+    records: Iterable[Record],
+    limits: Limits,
+    *,
+    device: DeviceInfo,
+    dtype: str = "bfloat16",
+    tolerance: float = TOLERANCE,
+) -> Choice:
+    """The ``max_slab`` to write (see the module docstring); ValueError when no slab can be chosen."""
+    rows = _ours_by_shape(records)
+    if not rows:
+        raise ValueError("no FixedChunkSize rows of ours among the records: nothing to choose from")
+    fitting = {
+        shape: {r.chunk_size: r for r in shape_rows if why_not(r, limits, dtype) is None}
+        for shape, shape_rows in rows.items()
+    }
+    for shape, fit in fitting.items():
+        if not fit:
+            raise ValueError(_nothing_fits(shape, rows[shape], limits))
+    fastest = {shape: min(fit.values(), key=lambda r: (r.median_ms, r.chunk_size)) for shape, fit in fitting.items()}
+    options: list[tuple[float, int, dict[Shape, Record]]] = []  # (worst ratio, slab, picks)
+    for slab in sorted({slab_bytes(r, dtype) for fit in fitting.values() for r in fit.values()}):
+        picks = _picks(slab, fitting, device, dtype)
+        if picks is not None:
+            worst = max(picks[s].median_ms / fastest[s].median_ms for s in picks)  # type: ignore[operator]
+            options.append((worst, slab, picks))
+    if not options:
+        raise ValueError(
+            "no single max_slab runs every shape at a chunk size that was measured and fits the limits; "
+            "tune the shapes one at a time"
+        )
+    within = [o for o in options if o[0] <= 1 + tolerance]
+    _, slab, picks = within[0] if within else min(options, key=lambda o: (o[0], o[1]))
+    return Choice(slab, picks, fastest, bool(within))
+
+
+def _ours_by_shape(records: Iterable[Record]) -> dict[Shape, list[Record]]:
+    rows: dict[Shape, list[Record]] = {}
+    for record in records:
+        if record.family == _OURS_FIXED:
+            rows.setdefault(record.shape, []).append(record)
+    return {shape: sorted(rs, key=lambda r: r.chunk_size or 0) for shape, rs in rows.items()}
+
+
+def _picks(
+    slab: int, fitting: dict[Shape, dict[int | None, Record]], device: DeviceInfo, dtype: str
+) -> dict[Shape, Record] | None:
+    """The fitting row SlabBudget(slab) runs at each shape, or None when at some shape it runs none."""
+    picks = {}
+    for shape, fit in fitting.items():
+        try:
+            chunk = SlabBudget(slab).geometry(Problem(*shape, dtype=dtype), device).chunk_size
+        except StrategyError:  # less than one row at this shape's vocabulary
+            return None
+        if chunk not in fit:
+            return None
+        picks[shape] = fit[chunk]
+    return picks
+
+
+def _nothing_fits(shape: Shape, rows: list[Record], limits: Limits) -> str:
+    measured = [r for r in rows if r.status == "ok" and r.peak_bytes is not None]
+    if not measured:
+        return f"at {format_shape(shape)} no chunk size could be measured ({rows[0].status if rows else 'no rows'})"
+    smallest = min(measured, key=lambda r: r.peak_bytes)  # type: ignore[arg-type, return-value]
+    return (
+        f"at {format_shape(shape)} no chunk size fits the limits ({limits.describe()}): the smallest measured "
+        f"peak is {format_bytes(smallest.peak_bytes)} at {smallest.chunk_size} rows"  # type: ignore[arg-type]
+    )
+
+
+# --- the file ------------------------------------------------------------------------------------
+
+
+def rule_match(device: DeviceInfo) -> str:
+    """What the written rule matches: the family, or the exact device name when the family is unknown."""
+    return device.family if device.family not in ("unknown", "cpu") else device.name
+
+
+def tuned_policy(choice: Choice, device: DeviceInfo) -> FLCEPolicy:
+    """The packaged default strategy and OOM settings, plus one slab_budget rule for ``device`` at the chosen slab."""
+    packaged = FLCEPolicy.packaged()
+    rule = DeviceRule(rule_match(device), SlabBudget(exact_size(choice.max_slab)))
+    return FLCEPolicy(
+        default=packaged.default_strategy,
+        rules=[rule],
+        oom_fallback=packaged.oom_fallback,
+        min_chunk_size=packaged.min_chunk_size,
+        source="flce-policy tune",
+    )
+
+
+def render(
+    choice: Choice,
+    records: Sequence[Record],
+    limits: Limits,
+    *,
+    device: DeviceInfo,
+    about: Sequence[str] = (),
+    dtype: str = "bfloat16",
+) -> str:
+    """The policy file: ``about`` and the measurements as comments, then :func:`tuned_policy` as YAML."""
+    floors = {r.shape: r.median_ms for r in records if r.family == "floor" and r.median_ms}
+    slab_text = exact_size(choice.max_slab)
+    lines = [f"flce-policy tune on {device.describe()}", *about, f"limits: {limits.describe()}", ""]
+    for shape, rows in _ours_by_shape(records).items():
+        problem = Problem(*shape, dtype=dtype)
+        row_bytes = problem.vocab * problem.itemsize
+        floor = f"; three-GEMM floor {floors[shape]:.3f} ms" if shape in floors else ""
+        lines.append(f"{format_shape(shape)} (a row of logits is {format_bytes(row_bytes)}{floor}):")
+        lines.append(f"  {'chunk':>6} {'ms':>10} {'x floor':>8} {'peak':>11} {'slab':>11}")
+        for r in rows:
+            lines.append(_row_line(r, choice, limits, dtype))
+        pick = choice.picks[shape]
+        lines.append(
+            f"  max_slab {slab_text} runs {pick.chunk_size} rows here: {choice.ratio(shape):.3f}x the fastest that fits"
+        )
+        lines.append("")
+    if choice.within_tolerance:
+        lines.append(
+            f"chosen: max_slab {slab_text}, the smallest slab within {TOLERANCE:.0%} of every shape's fastest time"
+        )
+    else:
+        worst = max(choice.ratio(s) for s in choice.picks)
+        lines.append(
+            f"chosen: max_slab {slab_text}; none is within {TOLERANCE:.0%} at every shape, it is closest ({worst:.3f}x)"
+        )
+    comments = "".join(f"# {line}".rstrip() + "\n" for line in lines)
+    return comments + tuned_policy(choice, device).to_yaml()
+
+
+def _row_line(r: Record, choice: Choice, limits: Limits, dtype: str) -> str:
+    ms = "-" if r.median_ms is None else f"{r.median_ms:.3f}"
+    x_floor = "-" if r.x_floor is None else f"{r.x_floor:.3f}x"
+    peak = "-" if r.peak_bytes is None else format_bytes(r.peak_bytes)
+    slab = "-" if r.chunk_size is None else format_bytes(slab_bytes(r, dtype))
+    notes = []
+    if choice.fastest.get(r.shape) is r:
+        notes.append("fastest that fits")
+    if choice.picks.get(r.shape) is r:
+        notes.append("chosen")
+    reason = why_not(r, limits, dtype)
+    if reason is not None:
+        notes.append(reason)
+    chunk = "-" if r.chunk_size is None else str(r.chunk_size)
+    return f"  {chunk:>6} {ms:>10} {x_floor:>8} {peak:>11} {slab:>11}  {', '.join(notes)}"
+
+
+# --- the command ---------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str = "flce-policy tune") -> int:
+    """Run ``tune``; returns the exit status (0 ok, 2 user error)."""
+    parser = build_parser(prog)
+    try:
+        args = parser.parse_args(argv)
+        return run(args)
+    except SystemExit as exit_:  # --help
+        return exit_.code if isinstance(exit_.code, int) else 0
+    except (UsageError, ValueError, OSError) as err:
+        for line in str(err).splitlines() or [""]:
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+
+
+def build_parser(prog: str) -> Parser:
+    from .suite import DEFAULT_SHAPES
+
+    parser = Parser(
+        prog=prog,
+        description="Measure chunk sizes of our loss on this GPU and write the fastest that fits the "
+        "memory you give as a policy YAML for this GPU family.",
+    )
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        type=shape_arg,
+        metavar="BTxHxV",
+        help=f"shapes to tune for (default: {' '.join(format_shape(s) for s in DEFAULT_SHAPES)})",
+    )
+    parser.add_argument(
+        "--max-peak", type=_size, metavar="SIZE", help="limit on the measured peak over the inputs (40GiB)"
+    )
+    parser.add_argument("--max-slab", type=_size, metavar="SIZE", help="limit on the logits slab (2GiB)")
+    parser.add_argument(
+        "--accum", choices=("bf16", "fp32"), default="bf16", help="grad_weight accumulation to measure (default bf16)"
+    )
+    parser.add_argument(
+        "--logit-std",
+        type=positive_float,
+        default=DEFAULT_LOGIT_STD,
+        metavar="STD",
+        help=f"std of x @ W.T in the inputs (default {DEFAULT_LOGIT_STD})",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int_at_least(MIN_REPEATS),
+        default=DEFAULT_REPEATS,
+        help=f"timed calls per row (default {DEFAULT_REPEATS})",
+    )
+    parser.add_argument(
+        "--warmup", type=int_at_least(0), default=DEFAULT_WARMUP, help=f"untimed calls first (default {DEFAULT_WARMUP})"
+    )
+    parser.add_argument("--out", required=True, metavar="FILE.yaml", help="the policy file to write")
+    return parser
+
+
+def _size(text: str) -> int:
+    try:
+        size = parse_bytes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if size == 0:
+        raise argparse.ArgumentTypeError("a memory limit must be positive")
+    return size
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_peak is None and args.max_slab is None:
+        raise UsageError(
+            "give --max-peak and/or --max-slab: tune picks the fastest chunk size within the memory you can spare"
+        )
+    out = Path(args.out)
+    if out.is_dir():
+        raise UsageError(f"--out {out} is a folder; give the policy file to write, e.g. {out / 'policy.yaml'}")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError("tune needs a CUDA GPU (torch.cuda.is_available() is False): it measures the GPU it runs on")
+    from flce_policy.probe import probe_device
+
+    from .suite import DEFAULT_SHAPES
+
+    device = probe_device()
+    limits = Limits(args.max_peak, args.max_slab)
+    records = _measure(list(args.shapes or DEFAULT_SHAPES), device, args)
+    choice = choose(records, limits, device=device)
+    text = render(choice, records, limits, device=device, about=_about(args))
+    FLCEPolicy.from_yaml_text(text, source=str(out))  # what is written must load; a failure here is a bug
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text, encoding="utf-8")
+    print(
+        f"wrote {out}: match {rule_match(device)} -> slab_budget max_slab {exact_size(choice.max_slab)}; "
+        f"check it with `flce-policy validate {out}`, use it with FLCE_POLICY_CONFIG={out}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _measure(shapes: list[Shape], device: DeviceInfo, args: argparse.Namespace) -> list[Record]:
+    from . import suite
+    from .methods import FLOOR, default_methods, predicted_peak
+    from .progress import SuiteProgress
+
+    plans = []
+    for shape in shapes:
+        # The packaged-default rows are left out, so no policy file is read: an empty policy will do.
+        methods = default_methods(chunk_sizes_for(shape[0]), policy=FLCEPolicy())
+        plans.append(
+            (shape, [m for m in methods if m.name == FLOOR or (m.family == _OURS_FIXED and m.accum == args.accum)])
+        )
+    records: list[Record] = []
+    with SuiteProgress(sum(len(methods) for _, methods in plans)) as progress:
+        for shape, methods in plans:
+            records += suite.run_suite(
+                [shape],
+                methods,
+                logit_std=args.logit_std,
+                warmup=args.warmup,
+                repeats=args.repeats,
+                predict_peak=lambda method, shape: predicted_peak(method, shape, device),
+                on_start=progress.started,
+                on_record=progress.finished,
+            )
+    return records
+
+
+def _about(args: argparse.Namespace) -> list[str]:
+    import torch
+    import triton
+
+    import flce_policy
+
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    accum = "fp32" if args.accum == "fp32" else "the weight dtype (bf16)"
+    return [
+        f"{date}; torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}, "
+        f"flce-policy {flce_policy.__version__}",
+        f"fwd+bwd in bfloat16, x and W needing grad, grad_weight accumulated in {accum};",
+        f"median of {args.repeats} calls after {args.warmup} warm-up; x floor = time / the three-GEMM floor;",
+        "peak over the inputs (max_memory_allocated minus the allocation before the call); fits = within the limits",
+    ]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""The largest chunk whose slab fits in what the GPU can give now, optionally under another strategy's cap."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+from flce_policy import memory_now
+from flce_policy.device import DeviceInfo
+from flce_policy.geometry import Geometry
+from flce_policy.memory import held_beside_slab
+from flce_policy.problem import DTYPE_ITEMSIZE, Problem
+from flce_policy.units import format_bytes, parse_bytes
+
+from .base import ChunkStrategy, StrategyError
+
+__all__ = ["FreeMemory"]
+
+
+class FreeMemory(ChunkStrategy):
+    """The slab sized at call time from live memory: ``fraction`` of what ``reserve`` and the call's buffers leave.
+
+    available = free device memory + the caching allocator's reserved-but-unallocated bytes
+    (read on every call, :func:`flce_policy.memory_now.available_bytes`); from it go ``reserve``
+    (bytes or "1GiB", kept for the rest of the step) and the buffers the call holds beside the
+    slab (gradients, per-row outputs; :func:`flce_policy.memory.held_beside_slab`, with the
+    grad_weight accumulator in ``accum_dtype``: set "float32" when the loss gets
+    ``accum_dtype=torch.float32``). The slab gets ``fraction`` of the rest.
+
+    ``cap`` bounds the answer by another strategy's: ``FreeMemory(cap=HeuristicC(16))`` is Liger's
+    C=16 unless less fits now. In YAML it is that strategy's mapping (``cap: {strategy:
+    heuristic_c, c: 16}``); in code, a strategy object or the mapping.
+    """
+
+    name = "free_memory"
+    dynamic = True
+
+    def __init__(
+        self,
+        fraction: float = 0.5,
+        reserve: int | str = "1GiB",
+        cap: ChunkStrategy | dict[str, Any] | None = None,
+        accum_dtype: str | None = None,
+    ) -> None:
+        self.fraction = fraction
+        self.reserve = reserve
+        self.cap = cap
+        self.accum_dtype = accum_dtype
+
+    @property
+    def reserve_bytes(self) -> int:
+        try:
+            return parse_bytes(self.reserve)
+        except ValueError as err:
+            raise StrategyError(f"free_memory: reserve: {err}", param="reserve") from None
+
+    def validate_params(self) -> None:
+        fraction = self.fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise StrategyError(f"free_memory: fraction must be a number in (0, 1], got {fraction!r}", param="fraction")
+        self.reserve_bytes  # noqa: B018 - parses, raising StrategyError on a bad size
+        if self.accum_dtype is not None and self.accum_dtype not in DTYPE_ITEMSIZE:
+            raise StrategyError(
+                f"free_memory: accum_dtype must be null or one of {', '.join(DTYPE_ITEMSIZE)}; "
+                f"got {self.accum_dtype!r}",
+                param="accum_dtype",
+            )
+        cap = self.cap_strategy()
+        if cap is not None:
+            try:
+                cap.validate_params()
+            except StrategyError as err:
+                raise _nested(err, cap.config_name()) from None
+
+    def cap_strategy(self) -> ChunkStrategy | None:
+        """``cap`` as a strategy: built once from a mapping (and again only if the mapping changes)."""
+        cap = self.cap
+        if cap is None or isinstance(cap, ChunkStrategy):
+            return cap
+        if not isinstance(cap, dict):
+            raise StrategyError(
+                "free_memory: cap must be a strategy mapping such as {strategy: heuristic_c, c: 16}, "
+                f"a ChunkStrategy, or null; got {cap!r}",
+                param="cap",
+            )
+        built = self.__dict__.get("_built_cap")
+        if built is None or built[0] != cap:
+            from .registry import strategy_from_config  # the registry imports this module
+
+            try:
+                built = (copy.deepcopy(cap), strategy_from_config(cap))
+            except StrategyError as err:
+                raise _nested(err, cap.get("strategy")) from None
+            self._built_cap = built
+        return built[1]
+
+    def pick_chunk_size(self, problem: Problem, device: DeviceInfo) -> int:
+        """Rows whose slab fits in ``fraction`` of what is available now (the cap aside)."""
+        try:
+            available = memory_now.available_bytes(device)
+        except ValueError as err:
+            raise StrategyError(f"free_memory: {err}") from None
+        reserve = self.reserve_bytes
+        held = held_beside_slab(problem, accum_dtype=self.accum_dtype)
+        budget = math.floor(self.fraction * (available - reserve - held))
+        row_bytes = problem.vocab * problem.itemsize
+        if budget < row_bytes:
+            needed = reserve + held + math.ceil(row_bytes / self.fraction)
+            raise StrategyError(
+                f"free_memory: {format_bytes(available)} available on {device.name}, less the reserve "
+                f"{format_bytes(reserve)} and {format_bytes(held)} of gradients and per-row buffers for "
+                f"{problem.describe()}, times fraction={self.fraction}, leaves {format_bytes(max(budget, 0))} "
+                f"for the slab; one row of logits needs {format_bytes(row_bytes)}, so at least "
+                f"{format_bytes(needed)} must be available"
+            )
+        return budget // row_bytes
+
+    def geometry(self, problem: Problem, device: DeviceInfo, *, rule: str | None = None) -> Geometry:
+        """The geometry that fits now, or the cap's when that has fewer rows."""
+        fits = super().geometry(problem, device, rule=rule)
+        cap = self.cap_strategy()
+        if cap is None:
+            return fits
+        capped = cap.geometry(problem, device, rule=rule)
+        return fits if fits.chunk_size <= capped.chunk_size else capped.with_origin(strategy=repr(self))
+
+    def to_config(self) -> dict[str, Any]:
+        config = super().to_config()
+        if isinstance(self.cap, dict):
+            try:  # as the cap strategy writes itself (its defaults filled in), like any top-level strategy
+                config["cap"] = self.cap_strategy().to_config()  # type: ignore[union-attr]
+            except StrategyError:
+                pass  # kept as written; validate_params reports what is wrong with it
+        return config
+
+
+def _nested(err: StrategyError, cap_name: Any) -> StrategyError:
+    """The cap's error, its parameter prefixed with ``cap.`` so a policy file's error names ``devices[2].cap.c``."""
+    message = str(err).removeprefix(f"{cap_name}: ")
+    if err.param is not None:
+        message = message.removeprefix(f"{err.param}: ")
+    param = "cap" if err.param is None else f"cap.{err.param}"
+    return StrategyError(f"free_memory: {param}: {message}", param=param)

@@ -1,0 +1,276 @@
+"""``flce-policy tune``: choosing from measured records, the file it writes, and the command around them.
+
+Records are synthetic, with times picked so every ratio is one division (in the comments), and
+slabs are bf16: a row is 512 KiB at V=262144 and 64 KiB at V=32768.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+
+from flce_policy.benchmarks import tune
+from flce_policy.benchmarks.suite import Record, with_floor_ratios
+from flce_policy.cli import main
+from flce_policy.device import DeviceInfo
+from flce_policy.policy import FLCEPolicy
+from flce_policy.problem import Problem
+from flce_policy.strategies import SlabBudget
+from flce_policy.units import exact_size, parse_bytes
+
+GIB, MIB = 2**30, 2**20
+GEMMA = (8192, 5376, 262144)
+LONG = (32768, 5376, 262144)
+SMALL = (4096, 1024, 32768)
+H200 = DeviceInfo.synthetic("H200")
+
+
+@pytest.fixture(autouse=True)
+def packaged_policy(monkeypatch):
+    monkeypatch.delenv("FLCE_POLICY_CONFIG", raising=False)
+
+
+def ours(shape, chunk, ms, peak_gib, status="ok"):
+    name = "ours_one_chunk_bf16" if chunk == shape[0] else f"ours_chunk{chunk}_bf16"
+    return Record(
+        shape, name, "ours fixed", "bf16", chunk_size=chunk, median_ms=ms if status == "ok" else None,
+        peak_bytes=int(peak_gib * GIB) if status == "ok" else None, status=status,
+    )  # fmt: skip
+
+
+def floor(shape, ms):
+    return Record(shape, "gemm_floor", "floor", "bf16", median_ms=ms, peak_bytes=0)
+
+
+def gemma_rows(shape=GEMMA, ms_2048=108.5):
+    """Chunks 256 .. one chunk; 2048 rows (1 GiB slab) within 2% of the fastest fitting under 5 GiB."""
+    rows = [
+        floor(shape, 100.0),
+        ours(shape, 256, 145.0, 3.20),
+        ours(shape, 512, 125.0, 3.30),
+        ours(shape, 1024, 115.0, 3.45),
+        ours(shape, 2048, ms_2048, 3.70),
+        ours(shape, 4096, 106.5, 4.70),
+        ours(shape, 8192, 106.3, 6.70),  # one chunk
+    ]
+    return with_floor_ratios(rows)
+
+
+def small_rows():
+    """V=32768: slabs of 16 MiB (256 rows) .. 256 MiB (one chunk of 4096); one chunk is fastest."""
+    return with_floor_ratios(
+        [
+            floor(SMALL, 5.0),
+            ours(SMALL, 256, 10.0, 0.40),
+            ours(SMALL, 512, 8.0, 0.42),
+            ours(SMALL, 1024, 7.0, 0.45),
+            ours(SMALL, 2048, 6.5, 0.52),
+            ours(SMALL, 4096, 6.45, 0.65),
+        ]
+    )
+
+
+def test_chunk_sizes_are_powers_of_two_from_256_below_the_tokens():
+    assert tune.chunk_sizes_for(8192) == (256, 512, 1024, 2048, 4096)
+    assert tune.chunk_sizes_for(300) == (256,)
+    assert tune.chunk_sizes_for(256) == ()
+    assert tune.chunk_sizes_for(100) == ()
+
+
+@pytest.mark.parametrize(
+    ("limits", "slab", "chunk"),
+    [
+        # under 5 GiB the fastest fitting is 4096 rows (106.5 ms); 2048 rows take 108.5 / 106.5 = 1.0188x: kept
+        (tune.Limits(max_peak=5 * GIB), 1 * GIB, 2048),
+        # under 4 GiB the fastest fitting is 2048; 1024 rows take 115 / 108.5 = 1.06x
+        (tune.Limits(max_peak=4 * GIB), 1 * GIB, 2048),
+        # a slab limit alone: 1024 rows (512 MiB) and below fit
+        (tune.Limits(max_slab=512 * MIB), 512 * MIB, 1024),
+        # no peak limit and a generous slab one: one chunk (106.3 ms) is fastest, 2048 rows 1.0207x, 4096 1.0019x
+        (tune.Limits(max_slab=64 * GIB), 2 * GIB, 4096),
+        # both limits: the tighter decides
+        (tune.Limits(max_peak=5 * GIB, max_slab=600 * MIB), 512 * MIB, 1024),
+    ],
+)
+def test_one_shape_gets_the_smallest_slab_within_2_percent_of_its_fastest(limits, slab, chunk):
+    choice = tune.choose(gemma_rows(), limits, device=H200)
+    assert choice.max_slab == slab
+    assert choice.picks[GEMMA].chunk_size == chunk
+    assert choice.within_tolerance
+
+
+def test_several_shapes_share_the_smallest_slab_good_for_all():
+    records = gemma_rows() + small_rows()
+    choice = tune.choose(records, tune.Limits(max_peak=5 * GIB), device=H200)
+    # 1 GiB: 2048 rows at GEMMA (1.0188x); at SMALL 16384 rows fit, clamped to one chunk of 4096 (1.000x).
+    # 512 MiB would run GEMMA at 1024 rows, 1.08x.
+    assert choice.max_slab == GIB
+    assert (choice.picks[GEMMA].chunk_size, choice.picks[SMALL].chunk_size) == (2048, 4096)
+    assert (choice.fastest[GEMMA].chunk_size, choice.fastest[SMALL].chunk_size) == (4096, 4096)
+    assert choice.ratio(GEMMA) == pytest.approx(108.5 / 106.5)
+
+
+def test_when_no_slab_is_within_2_percent_everywhere_the_closest_is_taken():
+    # GEMMA is fastest at 4096 rows (106.5 ms) but LONG's 4096-row peak is over the limit, and at 2048
+    # rows GEMMA takes 110 / 106.5 = 1.033x. 1 GiB (worst 1.033x) beats 512 MiB (115 / 106.5 = 1.08x).
+    long_rows = [floor(LONG, 400.0), ours(LONG, 1024, 440.0, 3.9), ours(LONG, 2048, 420.0, 4.2)]
+    long_rows.append(ours(LONG, 4096, 415.0, 5.4))
+    records = gemma_rows(ms_2048=110.0) + with_floor_ratios(long_rows)
+    choice = tune.choose(records, tune.Limits(max_peak=5 * GIB), device=H200)
+    assert choice.max_slab == GIB and not choice.within_tolerance
+    assert choice.picks[LONG].chunk_size == 2048
+    assert choice.ratio(GEMMA) == pytest.approx(110.0 / 106.5)
+
+
+def test_rows_that_did_not_run_never_fit():
+    rows = gemma_rows()
+    rows[5] = ours(GEMMA, 4096, None, None, status="out of memory")  # the 4096-row row
+    choice = tune.choose(rows, tune.Limits(max_peak=8 * GIB), device=H200)
+    # fastest fitting: one chunk (106.3); 2048 rows are 1.0207x, over 2%; one chunk's own 4 GiB is chosen
+    assert (choice.max_slab, choice.picks[GEMMA].chunk_size) == (4 * GIB, 8192)
+
+
+def test_nothing_fits_is_a_clear_error():
+    with pytest.raises(
+        ValueError, match=r"at 8192x5376x262144 no chunk size fits .*smallest measured peak is 3.20 GiB"
+    ):
+        tune.choose(gemma_rows(), tune.Limits(max_peak=GIB), device=H200)
+    with pytest.raises(ValueError, match="no FixedChunkSize rows"):
+        tune.choose([floor(GEMMA, 1.0)], tune.Limits(max_peak=GIB), device=H200)
+
+
+def test_exact_size_reads_back_exactly():
+    for size in (2 * GIB, 1002 * MIB, 4096 * 128256 * 2, 37 * 1024, 8200 * 262144 * 2, 12345):
+        assert parse_bytes(exact_size(size)) == size
+    assert (exact_size(2 * GIB), exact_size(1002 * MIB), exact_size(12345)) == ("2GiB", "1002MiB", 12345)
+
+
+# --- the file ------------------------------------------------------------------------------------
+
+
+def written(tmp_path, records, limits, device=H200):
+    choice = tune.choose(records, limits, device=device)
+    text = tune.render(choice, records, limits, device=device, about=["measured on a test bench"])
+    path = tmp_path / "tuned.yaml"
+    path.write_text(text)
+    return path, text
+
+
+def test_the_file_is_a_policy_for_this_family_with_the_packaged_default(tmp_path):
+    path, text = written(tmp_path, gemma_rows() + small_rows(), tune.Limits(max_peak=5 * GIB))
+    policy = FLCEPolicy.from_yaml(path)
+    packaged = FLCEPolicy.packaged()
+    assert policy.default_strategy == packaged.default_strategy
+    assert (policy.oom_fallback, policy.min_chunk_size) == (packaged.oom_fallback, packaged.min_chunk_size)
+    (rule,) = policy.rules
+    assert (rule.match, rule.strategy) == ("H200", SlabBudget("1GiB"))
+    assert policy.resolve(Problem(*GEMMA), H200).chunk_size == 2048
+    assert policy.resolve(Problem(*SMALL), H200).chunk_size == 4096
+    assert yaml.safe_load(text)["devices"] == [{"match": "H200", "strategy": "slab_budget", "max_slab": "1GiB"}]
+
+
+def test_the_file_carries_the_measurements_as_comments(tmp_path):
+    _, text = written(tmp_path, gemma_rows(), tune.Limits(max_peak=4 * GIB))
+    comments = [line for line in text.splitlines() if line.startswith("#")]
+    assert comments[0] == f"# flce-policy tune on {H200.describe()}"
+    assert "# measured on a test bench" in comments
+    assert "# limits: measured peak <= 4.00 GiB" in comments
+    rows = {line.split()[1]: line for line in comments if line.startswith("#   ") and line.split()[1].isdigit()}
+    assert set(rows) == {"256", "512", "1024", "2048", "4096", "8192"}
+    # chunk, ms, x floor (floor 100 ms), peak, slab, notes
+    assert rows["2048"].split()[1:8] == ["2048", "108.500", "1.085x", "3.70", "GiB", "1.00", "GiB"]
+    assert rows["2048"].endswith("fastest that fits, chosen")
+    assert rows["4096"].endswith("peak over the limit")
+    assert "# chosen: max_slab 1GiB, the smallest slab within 2% of every shape's fastest time" in comments
+
+
+def test_the_file_passes_validate(tmp_path, capsys):
+    path, _ = written(tmp_path, gemma_rows(), tune.Limits(max_peak=5 * GIB))
+    assert main(["validate", str(path)]) == 0
+    out, _ = capsys.readouterr()
+    assert f"OK: {path} (version 1, 1 device rules)" in out
+    assert "note:" not in out  # the rule names a known family
+
+
+def test_an_unknown_family_is_matched_by_its_exact_name(tmp_path):
+    mystery = DeviceInfo(name="Mystery Accel 96GB", family="unknown", total_memory_bytes=96 * GIB, source="nvml")
+    path, _ = written(tmp_path, gemma_rows(), tune.Limits(max_peak=5 * GIB), device=mystery)
+    policy = FLCEPolicy.from_yaml(path)
+    assert policy.rules[0].match == "Mystery Accel 96GB"
+    assert policy.resolve_rule(mystery)[0].startswith("devices[0]")
+    assert policy.resolve_rule(H200)[0] == "default"
+
+
+# --- the command ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--out", "{tmp}/p.yaml"], "give --max-peak and/or --max-slab"),
+        (["--max-peak", "lots", "--out", "{tmp}/p.yaml"], "--max-peak: cannot parse 'lots'"),
+        (["--max-slab", "0", "--out", "{tmp}/p.yaml"], "a memory limit must be positive"),
+        (["--max-slab", "1GiB"], "the following arguments are required: --out"),
+        (["--max-slab", "1GiB", "--out", "{tmp}"], "is a folder"),
+        (["--max-slab", "1GiB", "--shapes", "8x8", "--out", "{tmp}/p.yaml"], "three positive integers"),
+    ],
+)
+def test_user_errors_exit_2_on_one_line(tmp_path, capsys, argv, fragment):
+    code = main(["tune", *(a.format(tmp=tmp_path) for a in argv)])
+    _, err = capsys.readouterr()
+    assert code == 2
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
+    assert fragment in err
+
+
+def test_without_cuda_it_says_so(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code = main(["tune", "--max-peak", "40GiB", "--out", str(tmp_path / "p.yaml")])
+    _, err = capsys.readouterr()
+    assert code == 2
+    assert err.startswith("error: tune needs a CUDA GPU")
+    assert not (tmp_path / "p.yaml").exists()
+
+
+def test_gpu_run_glue_with_a_stubbed_suite(tmp_path, capsys, monkeypatch):
+    """Per shape: the floor and our fixed rows from 256 rows to one chunk; the file written loads."""
+    from flce_policy import probe
+    from flce_policy.benchmarks import suite
+
+    times = {256: 145.0, 512: 125.0, 1024: 115.0, 2048: 108.5, 4096: 106.5, 8192: 106.3}
+    peaks = {256: 3.2, 512: 3.3, 1024: 3.45, 2048: 3.7, 4096: 4.7, 8192: 6.7}
+    calls = []
+
+    def fake_run_suite(shapes, methods, *, logit_std, warmup, repeats, predict_peak, on_start, on_record):
+        calls.append(([m.name for m in methods], logit_std, warmup, repeats))
+        records = []
+        for shape in shapes:
+            for method in methods:
+                on_start(shape, method)
+                chunk, _ = predict_peak(method, shape)
+                if method.name == "gemm_floor":
+                    record = floor(shape, 100.0)
+                else:
+                    record = ours(shape, chunk, times[chunk], peaks[chunk])
+                records.append(record)
+                on_record(record)
+        return with_floor_ratios(records)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(probe, "probe_device", lambda index=None: H200)
+    monkeypatch.setattr(suite, "run_suite", fake_run_suite)
+    out = tmp_path / "h200.yaml"
+    code = main(["tune", "--shapes", "8192x5376x262144", "--max-peak", "5GiB", "--repeats", "6", "--out", str(out)])
+    _, err = capsys.readouterr()
+    assert code == 0, err
+    expected_rows = [
+        "gemm_floor",
+        *(f"ours_chunk{n}_bf16" for n in (256, 512, 1024, 2048, 4096)),
+        "ours_one_chunk_bf16",
+    ]
+    assert calls == [(expected_rows, 4.0, 2, 6)]
+    policy = FLCEPolicy.from_yaml(out)
+    assert policy.rules[0].strategy == SlabBudget("1GiB")
+    assert "8192x5376x262144 ours_chunk2048_bf16: 108.50 ms, peak 3.70 GiB, ok" in err  # the progress lines
+    assert f"wrote {out}: match H200 -> slab_budget max_slab 1GiB" in err
