@@ -185,8 +185,22 @@ def _fixed_plan(chunk: int | None, problem: Problem, device: DeviceInfo) -> Geom
     return _fixed_strategy(chunk, problem.tokens).geometry(problem, device)
 
 
+def _vocab_tiled_plan(vocab_chunk: int, problem: Problem, device: DeviceInfo) -> Geometry:
+    """One row chunk of all BT rows, vocab tiles of ``vocab_chunk`` (capped at V)."""
+    return Geometry.for_problem(problem, problem.tokens, vocab_chunk=min(vocab_chunk, problem.vocab))
+
+
+def _vocab_tiled_for_inputs(vocab_chunk: int, inputs: Inputs) -> Geometry:
+    tokens, hidden, vocab = inputs.shape
+    problem = Problem(tokens, hidden, vocab, dtype=inputs.x.dtype)
+    return _vocab_tiled_plan(vocab_chunk, problem, DeviceInfo.cpu())
+
+
 def default_methods(
-    chunk_sizes: tuple[int, ...] = (256, 512, 1024, 2048, 4096), *, policy: FLCEPolicy | None = None
+    chunk_sizes: tuple[int, ...] = (256, 512, 1024, 2048, 4096),
+    *,
+    policy: FLCEPolicy | None = None,
+    vocab_chunks: tuple[int, ...] = (4096, 8192, 16384),
 ) -> list[Method]:
     """The suite's rows: floor, ours (default policy and fixed chunks, bf16 and fp32 accumulation), peers.
 
@@ -230,6 +244,16 @@ def default_methods(
                     plan=HeuristicC(c).geometry,  # Liger's chunk rule, reproduced by HeuristicC
                 )
             )
+    # Vocab-tiled, one row chunk: each grad_weight slice written once (fp32-accurate, bf16 memory).
+    for vocab_chunk in vocab_chunks:
+        methods.append(
+            Method(
+                f"ours_vtile{vocab_chunk}_bf16",
+                "ours vocab-tiled",
+                ours(partial(_vocab_tiled_for_inputs, vocab_chunk)),
+                plan=partial(_vocab_tiled_plan, vocab_chunk),
+            )
+        )
     methods.append(Method("cce", "cce", cce()))
     methods.append(Method("cce_nofilter", "cce", cce(None)))
     methods.append(Method("eager", "eager", eager))

@@ -349,6 +349,9 @@ ALL_NAMES = [
             f"liger_c16_{accum}",
         )
     ),
+    "ours_vtile4096_bf16",
+    "ours_vtile8192_bf16",
+    "ours_vtile16384_bf16",
     "cce",
     "cce_nofilter",
     "eager",
@@ -384,15 +387,16 @@ def test_select_methods_pattern_matching_nothing():
 # --- predicted peaks -------------------------------------------------------------------------------
 
 
-def _hand_peak(shape, chunk, *, fp32_accum=False):
+def _hand_peak(shape, chunk, *, fp32_accum=False, vocab_chunk=None):
     """Larger of two phases (bf16 = 2 B): the chunk loop holds slab + grad_input + grad_weight
     (fp32 with fp32 accumulation) + per-row buffers; after it the slab is freed and an fp32
-    accumulator is cast, so both grad_weight copies live at once."""
+    accumulator is cast, so both grad_weight copies live at once. Vocab tiles: the slab is
+    [chunk, vocab_chunk], grad_input gets an fp32 [chunk, H] accumulator."""
     tokens, hidden, vocab = shape
-    slab, grad_input = chunk * vocab * 2, tokens * hidden * 2
+    slab, grad_input = chunk * (vocab_chunk or vocab) * 2, tokens * hidden * 2
     rows = tokens * (3 * 4 + 8)  # fp32 loss, z-loss and accuracy per row, and the int64 target
     accumulator = vocab * hidden * (4 if fp32_accum else 2)
-    loop = slab + grad_input + accumulator + rows
+    loop = slab + grad_input + accumulator + rows + (chunk * hidden * 4 if vocab_chunk else 0)
     cast = grad_input + accumulator + vocab * hidden * 2 + rows if fp32_accum else 0
     return max(loop, cast)
 
@@ -406,6 +410,7 @@ def _hand_peak(shape, chunk, *, fp32_accum=False):
         (GEMMA, "ours_one_chunk_bf16", 8192),  # one chunk = BT rows
         (GEMMA, "liger_c1_bf16", 256),  # cdiv(262144, 5376) = 49; cdiv(8192, 49) = 168 -> next pow2 256
         (GEMMA, "liger_c16_fp32", 2048),  # cdiv(262144, 16 * 5376) = 4; 8192 / 4 = 2048
+        (GEMMA, "ours_vtile8192_bf16", 8192),  # one row chunk of all BT rows, 32 vocab tiles
         (SMALL, "ours_default_bf16", 4096),  # 2 GiB / (32768 * 2 B) = 32768 rows, clamped to BT = 4096
         (SMALL, "ours_chunk4096_fp32", 4096),
         (SMALL, "liger_c1_bf16", 128),  # cdiv(32768, 1024) = 32; 4096 / 32 = 128
@@ -415,7 +420,8 @@ def test_predicted_peak_by_hand(shape, name, chunk):
     (method,) = [m for m in default_methods() if m.name == name]
     got_chunk, got_bytes = predicted_peak(method, shape, DeviceInfo.synthetic("H200"))
     assert got_chunk == chunk
-    assert got_bytes == _hand_peak(shape, chunk, fp32_accum=name.endswith("_fp32"))
+    vocab_chunk = int(name.removeprefix("ours_vtile").removesuffix("_bf16")) if "vtile" in name else None
+    assert got_bytes == _hand_peak(shape, chunk, fp32_accum=name.endswith("_fp32"), vocab_chunk=vocab_chunk)
 
 
 @pytest.mark.parametrize("name", ["gemm_floor", "cce", "cce_nofilter", "eager"])

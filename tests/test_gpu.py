@@ -85,15 +85,17 @@ def _errors(name, result, reference):
     ids=lambda s: "x".join(map(str, s)),
 )
 def test_bf16_matches_fp32_reference_as_well_as_eager(shape):
-    from flce_policy import FLCEPolicy
+    from flce_policy import FLCEPolicy, Geometry, Problem
     from flce_policy.strategies import FixedChunkSize
 
     tokens, hidden, vocab = shape
     x, w, y = make_inputs(tokens, hidden, vocab, torch.bfloat16)
     reference = reference_loss_and_grads(x, w, y, compute_dtype=torch.float32)
     rows = [_errors("eager_bf16", reference_loss_and_grads(x, w, y, compute_dtype=torch.bfloat16), reference)]
+    vocab_tiled = Geometry.for_problem(Problem(tokens, hidden, vocab), tokens, vocab_chunk=min(8192, vocab))
     runs = {
         "ours_default_policy": dict(policy=FLCEPolicy.default()),
+        "ours_vocab_tiled_one_row_chunk": dict(policy=vocab_tiled),
         "ours_chunk256": dict(policy=FixedChunkSize(256)),
         "ours_one_chunk": dict(policy=FixedChunkSize(tokens)),
         "ours_chunk256_fp32acc": dict(policy=FixedChunkSize(256), accum_dtype=torch.float32),
@@ -112,8 +114,9 @@ def test_bf16_matches_fp32_reference_as_well_as_eager(shape):
         row = by_name[name]
         assert row["loss_rel"] <= max(1.1 * eager["loss_rel"], 1e-5), row
         assert row["grad_input_rel_l2"] <= 1.1 * eager["grad_input_rel_l2"], row
-    # One chunk and fp32 accumulation round grad_weight once, as eager does: held to 1.1x.
-    for name in ("ours_one_chunk", "ours_chunk256_fp32acc"):
+    # One chunk, fp32 accumulation and vocab tiles over one row chunk round grad_weight once, as
+    # eager does: held to 1.1x.
+    for name in ("ours_one_chunk", "ours_chunk256_fp32acc", "ours_vocab_tiled_one_row_chunk"):
         assert by_name[name]["grad_weight_rel_l2"] <= 1.1 * eager["grad_weight_rel_l2"], by_name[name]
 
 
