@@ -13,7 +13,7 @@ import datetime
 import json
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,11 @@ class Parser(argparse.ArgumentParser):
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "flce-policy bench") -> int:
     """Run ``bench``; returns the exit status (0 ok, 2 user error)."""
-    parser = build_parser(prog)
+    return run_command(build_parser(prog), run, argv)
+
+
+def run_command(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], int], argv) -> int:
+    """Parse ``argv`` and run; a user error prints ``error: ...`` lines on stderr and returns 2."""
     try:
         args = parser.parse_args(argv)
         return run(args)

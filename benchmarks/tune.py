@@ -42,6 +42,7 @@ from .cli import (
     UsageError,
     int_at_least,
     positive_float,
+    run_command,
     shape_arg,
 )
 from .suite import Record, format_shape
@@ -276,16 +277,7 @@ def _row_line(r: Record, choice: Choice, limits: Limits, dtype: str) -> str:
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "flce-policy tune") -> int:
     """Run ``tune``; returns the exit status (0 ok, 2 user error)."""
-    parser = build_parser(prog)
-    try:
-        args = parser.parse_args(argv)
-        return run(args)
-    except SystemExit as exit_:  # --help
-        return exit_.code if isinstance(exit_.code, int) else 0
-    except (UsageError, ValueError, OSError) as err:
-        for line in str(err).splitlines() or [""]:
-            print(f"error: {line}", file=sys.stderr)
-        return 2
+    return run_command(build_parser(prog), run, argv)
 
 
 def build_parser(prog: str) -> Parser:
