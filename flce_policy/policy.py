@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import yaml
 
 from flce_policy.config import CONFIG_VERSION, ConfigError, load_yaml_file, load_yaml_text, parse_config
+from flce_policy.cost_model import predict_seconds, rates_for
 from flce_policy.device import DeviceInfo
 from flce_policy.geometry import Geometry
 from flce_policy.memory import predict_peak
@@ -284,6 +285,9 @@ class FLCEPolicy:
         geometry = self.resolve(problem, device)
         _, strategy = self.resolve_rule(device)
         peak = predict_peak(geometry)
+        predicted = predict_seconds(geometry, rates_for(device))
+        # Low-precision roundings of the running grad_weight (bf16 accumulation): one per row chunk.
+        weight_grad_steps = geometry.num_chunks
         return {
             "device": {**device.model_dump(mode="json"), "description": device.describe()},
             "problem": problem.model_dump(mode="json"),
@@ -300,6 +304,8 @@ class FLCEPolicy:
             "slab": format_bytes(geometry.slab_bytes),
             "predicted_peak_bytes": peak.total_bytes,
             "predicted_peak": peak.describe(),
+            "predicted_ms": round(predicted.seconds * 1e3, 3),
+            "weight_grad_low_precision_steps": weight_grad_steps,
             "summary": geometry.describe(),
             "dynamic": strategy.dynamic,
             "oom_fallback": self.oom_fallback,
@@ -324,11 +330,23 @@ class FLCEPolicy:
             ("Strategy", f"{d['strategy']} ({params}){when}"),
             ("Chunk size", f"{d['chunk_size']} rows (last chunk {d['last_chunk_size']})"),
             ("Chunks", f"{d['num_chunks']} chunks over BT={problem.tokens}"),
+            *(
+                [
+                    (
+                        "Vocab tiles",
+                        f"{d['num_vocab_chunks']} tiles of {d['vocab_chunk']} columns (logits computed twice)",
+                    )
+                ]
+                if d["num_vocab_chunks"] > 1
+                else []
+            ),
             ("Slab", f"{d['slab']} per chunk = {d['chunk_size']} x {d['vocab_chunk']} x {problem.itemsize} bytes"),
             ("Peak", f"{d['predicted_peak']}, predicted for fwd+bwd with x and W needing grad"),
+            ("Time", f"{d['predicted_ms']:.1f} ms predicted for fwd+bwd (cost model, {d['device']['family']} rates)"),
+            ("Weight grad", _accumulation_note(d["weight_grad_low_precision_steps"])),
             ("On OOM", oom),
         ]
-        return "\n".join(f"{label + ':':<12}{value}" for label, value in lines)
+        return "\n".join(f"{label + ':':<13}{value}" for label, value in lines)
 
     # --- content equality ------------------------------------------------------------------------
 
@@ -348,3 +366,16 @@ class FLCEPolicy:
             f"FLCEPolicy(default={self.default_strategy!r}, rules={list(self.rules)!r}, "
             f"oom_fallback={self.oom_fallback!r}, min_chunk_size={self.min_chunk_size!r}, source={self.source!r})"
         )
+
+
+#: More bf16 roundings of the running grad_weight than this are worth a warning in explain.
+_MANY_ACCUMULATION_STEPS = 8
+
+
+def _accumulation_note(steps: int) -> str:
+    if steps == 1:
+        return "each element rounded once (as eager PyTorch)"
+    note = f"{steps} bf16 accumulation steps per element with accum_dtype=None"
+    if steps > _MANY_ACCUMULATION_STEPS:
+        note += "; WARNING: many low-precision steps, consider accum_dtype=torch.float32 or vocab tiles (Fastest)"
+    return note

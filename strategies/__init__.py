@@ -1,6 +1,7 @@
 """Pluggable chunk strategies: each decides the row chunk size for a (problem, device)."""
 
 from .base import ChunkStrategy, StrategyError
+from .fastest import Fastest
 from .fixed_chunk_size import FixedChunkSize
 from .free_memory import FreeMemory
 from .heuristic_c import HeuristicC
@@ -14,6 +15,7 @@ __all__ = [
     "FixedChunkSize",
     "SlabBudget",
     "FreeMemory",
+    "Fastest",
     "BUILTIN_STRATEGIES",
     "strategy_class",
     "strategy_from_config",

@@ -7,6 +7,7 @@ import inspect
 from typing import Any
 
 from .base import ChunkStrategy, StrategyError
+from .fastest import Fastest
 from .fixed_chunk_size import FixedChunkSize
 from .free_memory import FreeMemory
 from .heuristic_c import HeuristicC
@@ -16,7 +17,7 @@ __all__ = ["BUILTIN_STRATEGIES", "strategy_class", "strategy_from_config"]
 
 BUILTIN_STRATEGIES: dict[str, type[ChunkStrategy]] = {
     cls.name: cls
-    for cls in (HeuristicC, FixedChunkSize, SlabBudget, FreeMemory)  # type: ignore[misc]
+    for cls in (HeuristicC, FixedChunkSize, SlabBudget, FreeMemory, Fastest)  # type: ignore[misc]
 }
 
 

@@ -15,6 +15,7 @@ from flce_policy.problem import Problem
 from flce_policy.strategies import (
     BUILTIN_STRATEGIES,
     ChunkStrategy,
+    Fastest,
     FixedChunkSize,
     FreeMemory,
     HeuristicC,
@@ -228,6 +229,7 @@ def test_builtins_are_registered_by_short_name():
         "fixed_chunk_size": FixedChunkSize,
         "slab_budget": SlabBudget,
         "free_memory": FreeMemory,
+        "fastest": Fastest,
     }
     assert strategy_class("slab_budget") is SlabBudget
 

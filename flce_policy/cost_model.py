@@ -1,0 +1,88 @@
+"""Predicted fwd+bwd time of a geometry from GEMM FLOPs and HBM bytes against a device's rates.
+
+Terms (seconds), each traced to measurements on the H200 (benchmarks/notes/README.md):
+
+- GEMMs: 3 (row-only) or 4 (vocab-tiled: logits twice) x ``2*BT*H*V`` FLOPs at ``matmul_flops``,
+  the rate the three-GEMM floor itself reaches on large shapes;
+- grad_weight read-modify-write: every row chunk after the first re-reads and re-writes the
+  ``[V, H]`` accumulator (a mixed-precision fp32 accumulate runs at ``fp32_rmw_efficiency`` of HBM);
+  an fp32 accumulator is cast once at the end;
+- grad_input accumulator of vocab tiles: every tile after the first re-reads and re-writes the
+  fp32 ``[chunk_size, H]`` accumulator, for every row;
+- the CE kernels: two reads and one write of all logits at ``ce_efficiency`` of HBM.
+At 8192x5376x262144 this predicts 149 / 112 / 108 ms for 256 / 2048 / 8192-row chunks and
+146 ms for 8192-column vocab tiles, against 151 / 112 / 108 and 148 ms measured.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from flce_policy.device import DeviceInfo
+from flce_policy.geometry import Geometry
+from flce_policy.problem import DTYPE_ITEMSIZE
+
+__all__ = ["DeviceRates", "RATES", "rates_for", "predict_seconds", "TimeEstimate"]
+
+
+class DeviceRates(NamedTuple):
+    """Achieved rates of a GPU family: dense bf16 GEMM FLOP/s and HBM bytes/s."""
+
+    matmul_flops: float
+    hbm_bytes_per_s: float
+    ce_efficiency: float = 0.8  # CE kernels reach ~3.4 of 4.3 TB/s on H200
+    fp32_rmw_efficiency: float = 0.8  # cuBLAS bf16 x bf16 -> fp32 accumulate, beta=1
+
+
+#: H200: MEASURED (floor 6*8192*5376*262144 FLOP in 104.6 ms; 4.3 TB/s device copy). The rest are
+#: DERIVED from the H200 by datasheet ratios (dense bf16, HBM bandwidth); override per policy.
+RATES: dict[str, DeviceRates] = {
+    "H200": DeviceRates(6.6e14, 4.3e12),
+    "H100": DeviceRates(6.6e14, 4.3e12 * 3.35 / 4.8),
+    "H800": DeviceRates(6.6e14, 4.3e12 * 3.35 / 4.8),
+    "GH200": DeviceRates(6.6e14, 4.3e12),
+    "H20": DeviceRates(6.6e14 * 148 / 989, 4.3e12),
+    "B200": DeviceRates(6.6e14 * 2250 / 989, 4.3e12 * 8.0 / 4.8),
+    "GB200": DeviceRates(6.6e14 * 2500 / 989, 4.3e12 * 8.0 / 4.8),
+    "B300": DeviceRates(6.6e14 * 2250 / 989, 4.3e12 * 8.0 / 4.8),
+    "GB300": DeviceRates(6.6e14 * 2500 / 989, 4.3e12 * 8.0 / 4.8),
+    "A100": DeviceRates(6.6e14 * 312 / 989, 4.3e12 * 2.04 / 4.8),
+    "A800": DeviceRates(6.6e14 * 312 / 989, 4.3e12 * 2.04 / 4.8),
+    "L40S": DeviceRates(6.6e14 * 362 / 989, 4.3e12 * 0.864 / 4.8),
+}
+
+
+def rates_for(device: DeviceInfo) -> DeviceRates:
+    """The family's rates; an unlisted GPU (or the CPU, when planning) gets the H100's."""
+    return RATES.get(device.family, RATES["H100"])
+
+
+class TimeEstimate(NamedTuple):
+    seconds: float
+    terms: dict[str, float]
+
+
+def predict_seconds(geometry: Geometry, rates: DeviceRates, *, accum_dtype: str | None = None) -> TimeEstimate:
+    """Predicted fwd+bwd seconds of ``geometry`` (x and W needing grad) at ``rates``.
+
+    ``accum_dtype`` is the loss's grad_weight accumulator ("float32"; None = the logits dtype);
+    one row chunk of vocab tiles writes each slice once and needs none.
+    """
+    p = geometry.problem
+    item = p.itemsize
+    hbm = rates.hbm_bytes_per_s
+    writes_once = not geometry.is_row_only and geometry.num_chunks == 1
+    accum_item = item if writes_once or accum_dtype is None else DTYPE_ITEMSIZE[accum_dtype]
+    weight_elems = p.vocab * p.hidden
+    gemms = 3 if geometry.is_row_only else 4
+    rmw_bandwidth = hbm * (rates.fp32_rmw_efficiency if accum_item > item else 1.0)
+    terms = {
+        "gemm": gemms * 2.0 * p.tokens * p.hidden * p.vocab / rates.matmul_flops,
+        "grad_weight_rmw": (geometry.num_chunks - 1) * 2 * weight_elems * accum_item / rmw_bandwidth,
+        "grad_weight_cast": weight_elems * (accum_item + item) / hbm if accum_item > item else 0.0,
+        "grad_input_acc": (geometry.num_vocab_chunks - 1) * 2 * p.tokens * p.hidden * 4 / hbm
+        if not geometry.is_row_only
+        else 0.0,
+        "ce": 3 * p.tokens * p.vocab * item / (hbm * rates.ce_efficiency),
+    }
+    return TimeEstimate(sum(terms.values()), terms)

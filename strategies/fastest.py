@@ -1,0 +1,119 @@
+"""The geometry the cost model predicts fastest under a slab limit, row-only or vocab-tiled."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flce_policy.cost_model import DeviceRates, predict_seconds, rates_for
+from flce_policy.device import DeviceInfo
+from flce_policy.geometry import Geometry
+from flce_policy.memory import predict_peak
+from flce_policy.problem import Problem
+from flce_policy.units import parse_bytes
+
+from .base import ChunkStrategy, StrategyError
+
+__all__ = ["Fastest"]
+
+_MIN_VOCAB_CHUNK = 1024  # narrower tiles give the GEMMs too little N to run at rate
+_ACCUMS = {"bf16": None, "fp32": "float32"}
+
+
+class Fastest(ChunkStrategy):
+    """Lowest predicted time (:mod:`flce_policy.cost_model`) among geometries within the memory limits.
+
+    Limits: ``max_slab`` on the slab, and optionally ``max_peak`` on the predicted peak over inputs
+    (:func:`flce_policy.memory.predict_peak`, which counts an fp32 grad_weight accumulator).
+
+    Candidates: power-of-two row chunks (and all BT rows) over the whole vocabulary, and the same
+    row chunks over power-of-two vocab tiles (>= 1024 columns). ``accum`` is the grad_weight
+    accumulation the loss runs with: "bf16" (``accum_dtype=None``) or "fp32"
+    (``accum_dtype=torch.float32``, fp32-accurate weight gradients); under "fp32", one row chunk
+    of vocab tiles needs no fp32 buffer, which the model accounts for. ``rates`` overrides the
+    family table: ``{matmul_flops: 6.6e14, hbm_bytes_per_s: 4.3e12}``. Ties go to the smaller slab.
+    """
+
+    name = "fastest"
+
+    def __init__(
+        self,
+        max_slab: int | str = "1GiB",
+        accum: str = "bf16",
+        max_peak: int | str | None = None,
+        rates: dict[str, float] | None = None,
+    ) -> None:
+        self.max_slab = max_slab
+        self.accum = accum
+        self.max_peak = max_peak
+        self.rates = rates
+
+    def validate_params(self) -> None:
+        try:
+            if parse_bytes(self.max_slab) == 0:
+                raise ValueError("must be positive, got 0")
+        except ValueError as err:
+            raise StrategyError(f"fastest: max_slab: {err}", param="max_slab") from None
+        if self.max_peak is not None:
+            try:
+                parse_bytes(self.max_peak)
+            except ValueError as err:
+                raise StrategyError(f"fastest: max_peak: {err}", param="max_peak") from None
+        if self.accum not in _ACCUMS:
+            raise StrategyError(f"fastest: accum must be 'bf16' or 'fp32', got {self.accum!r}", param="accum")
+        if self.rates is not None:
+            try:
+                DeviceRates(**self.rates)
+            except TypeError as err:
+                raise StrategyError(f"fastest: rates: {err}", param="rates") from None
+
+    def candidates(self, problem: Problem) -> list[Geometry]:
+        """Every geometry considered, slab within ``max_slab``."""
+        limit = parse_bytes(self.max_slab)
+        peak_limit = None if self.max_peak is None else parse_bytes(self.max_peak)
+        rows = sorted({*_powers_of_two(problem.tokens), problem.tokens})
+        columns = [c for c in _powers_of_two(problem.vocab) if c >= _MIN_VOCAB_CHUNK and c < problem.vocab]
+        out = []
+        for chunk in rows:
+            for vocab_chunk in (problem.vocab, *columns):
+                if chunk * vocab_chunk * problem.itemsize > limit:
+                    continue
+                geometry = Geometry.for_problem(problem, chunk, vocab_chunk=vocab_chunk, strategy=repr(self))
+                if (
+                    peak_limit is None
+                    or predict_peak(geometry, accum_dtype=_ACCUMS[self.accum]).total_bytes <= peak_limit
+                ):
+                    out.append(geometry)
+        if not out:
+            raise StrategyError(
+                f"fastest: no geometry of {problem.describe()} fits max_slab={self.max_slab!r}"
+                + ("" if self.max_peak is None else f" and max_peak={self.max_peak!r}")
+                + f" (the smallest slab is one row of {min(problem.vocab, _MIN_VOCAB_CHUNK)} columns)",
+                param="max_slab" if self.max_peak is None else "max_peak",
+            )
+        return out
+
+    def rank(self, problem: Problem, device: DeviceInfo) -> list[tuple[float, Geometry]]:
+        """(predicted seconds, geometry), fastest first."""
+        rates = DeviceRates(**self.rates) if self.rates else rates_for(device)
+        accum = _ACCUMS[self.accum]
+        scored = [(predict_seconds(g, rates, accum_dtype=accum).seconds, g) for g in self.candidates(problem)]
+        return sorted(scored, key=lambda item: (item[0], item[1].slab_bytes))
+
+    def geometry(self, problem: Problem, device: DeviceInfo, *, rule: str | None = None) -> Geometry:
+        self.validate_params()
+        best = self.rank(problem, device)[0][1]
+        return best.with_origin(rule=rule) if rule else best
+
+    def pick_chunk_size(self, problem: Problem, device: DeviceInfo) -> int:
+        return self.geometry(problem, device).chunk_size
+
+    def get_params(self) -> dict[str, Any]:
+        return {"max_slab": self.max_slab, "accum": self.accum, "max_peak": self.max_peak, "rates": self.rates}
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    out, value = [], 1
+    while value <= limit:
+        out.append(value)
+        value *= 2
+    return out

@@ -1,0 +1,118 @@
+"""The cost model against the H200 measurements committed in benchmarks/results, and the Fastest strategy.
+
+The measured file is the one the benchmark wrote on the H200; the model is never fitted to it in
+the test (its rates are the module's constants), so a model change that stops describing the
+measurements fails here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flce_policy import DeviceInfo, Geometry, Problem
+from flce_policy.cost_model import RATES, DeviceRates, predict_seconds
+from flce_policy.strategies import Fastest, StrategyError, strategy_from_config
+
+MEASURED = Path(__file__).resolve().parents[1] / "benchmarks/results/2026-11-29-h200/bench.json"
+H200 = DeviceInfo.synthetic("H200")
+GIB, MIB = 2**30, 2**20
+
+
+def measured_rows():
+    """(geometry, accum, measured ms) for every row of ours in the committed H200 run."""
+    rows = []
+    for record in json.loads(MEASURED.read_text())["records"]:
+        name = record["method"]
+        if not name.startswith("ours_") or name.startswith("ours_default") or record["median_ms"] is None:
+            continue
+        problem = Problem(*record["shape"])
+        vocab_chunk = int(name.split("vtile")[1].split("_")[0]) if "vtile" in name else None
+        geometry = Geometry.for_problem(problem, record["chunk_size"], vocab_chunk=vocab_chunk)
+        rows.append((geometry, "float32" if record["accum"] == "fp32" else None, record["median_ms"]))
+    return rows
+
+
+def test_model_describes_every_measured_row_within_12_percent():
+    rows = measured_rows()
+    assert len(rows) == 45  # 3 shapes x (2 x 6 row-only + 3 vocab-tiled)
+    for geometry, accum, measured_ms in rows:
+        predicted_ms = predict_seconds(geometry, RATES["H200"], accum_dtype=accum).seconds * 1e3
+        assert abs(predicted_ms / measured_ms - 1) <= 0.12, (geometry.describe(), accum, measured_ms, predicted_ms)
+
+
+@pytest.mark.parametrize("max_slab", [128 * MIB, 256 * MIB, 512 * MIB, GIB, 2 * GIB, 4 * GIB, 64 * GIB])
+@pytest.mark.parametrize("accum", [None, "float32"])
+def test_the_predicted_fastest_is_within_10_percent_of_the_measured_fastest(max_slab, accum):
+    by_shape: dict = {}
+    for geometry, row_accum, measured_ms in measured_rows():
+        # fp32-accurate picks: fp32-accumulated rows, and vocab tiles over one row chunk (no accumulator)
+        fits_accum = row_accum == accum or (accum == "float32" and not geometry.is_row_only)
+        if fits_accum and geometry.slab_bytes <= max_slab:
+            by_shape.setdefault(geometry.problem, []).append((geometry, row_accum, measured_ms))
+    assert by_shape
+    for rows in by_shape.values():
+        fastest_ms = min(ms for _, _, ms in rows)
+        picked = min(rows, key=lambda r: predict_seconds(r[0], RATES["H200"], accum_dtype=r[1]).seconds)
+        assert picked[2] <= 1.10 * fastest_ms, (picked[0].describe(), picked[2], fastest_ms)
+
+
+def test_fastest_stays_within_the_slab_and_peak_limits():
+    problem = Problem(32768, 5376, 262144)
+    strategy = Fastest(max_slab="256MiB", accum="fp32", max_peak="4GiB")
+    geometry = strategy.geometry(problem, H200)
+    assert geometry.slab_bytes <= 256 * MIB
+    # fp32 accuracy in 4 GiB leaves no room for a [V, H] fp32 accumulator: one row chunk, vocab tiles
+    assert geometry.num_chunks == 1 and not geometry.is_row_only
+
+
+def test_free_memory_traffic_makes_three_gemms_win():
+    # With HBM traffic free, row chunks cost only their three GEMMs; vocab tiles pay a fourth.
+    problem = Problem(8192, 4096, 65536)
+    strategy = Fastest(max_slab="64MiB", rates={"matmul_flops": 6.6e14, "hbm_bytes_per_s": 1e30})
+    geometry = strategy.geometry(problem, H200)
+    assert geometry.is_row_only
+
+
+def test_slow_memory_makes_vocab_tiles_win_under_a_small_slab():
+    # Row chunks of a 64 MiB slab re-write grad_weight 32 times; with slow HBM that dominates.
+    problem = Problem(8192, 4096, 65536)
+    strategy = Fastest(max_slab="64MiB", rates={"matmul_flops": 6.6e14, "hbm_bytes_per_s": 5e11})
+    geometry = strategy.geometry(problem, H200)
+    assert not geometry.is_row_only
+
+
+def test_yaml_round_trip_and_rule_provenance():
+    strategy = Fastest(
+        max_slab="512MiB", accum="fp32", max_peak="6GiB", rates={"matmul_flops": 1e15, "hbm_bytes_per_s": 8e12}
+    )
+    assert strategy_from_config(strategy.to_config()) == strategy
+    geometry = strategy.geometry(Problem(8192, 5376, 262144), H200, rule="devices[0] (match H200)")
+    assert geometry.rule == "devices[0] (match H200)" and geometry.strategy.startswith("Fastest(")
+
+
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        ({"accum": "fp16"}, "accum"),
+        ({"max_slab": "lots"}, "max_slab"),
+        ({"max_slab": 0}, "max_slab"),
+        ({"max_peak": "-1GiB"}, "max_peak"),
+        ({"rates": {"flops": 1.0}}, "rates"),
+    ],
+)
+def test_bad_parameters_name_the_parameter(kwargs, param):
+    with pytest.raises(StrategyError) as err:
+        Fastest(**kwargs).geometry(Problem(1024, 1024, 32768), H200)
+    assert err.value.param == param and param in str(err.value)
+
+
+def test_unreachable_limits_say_so():
+    with pytest.raises(StrategyError, match="max_peak"):
+        Fastest(max_slab="256MiB", accum="fp32", max_peak="3.5GiB").geometry(Problem(32768, 5376, 262144), H200)
+
+
+def test_rates_table_has_the_measured_h200():
+    assert RATES["H200"] == DeviceRates(6.6e14, 4.3e12)
