@@ -343,10 +343,10 @@ class FLCEPolicy:
             ("Slab", f"{d['slab']} per chunk = {d['chunk_size']} x {d['vocab_chunk']} x {problem.itemsize} bytes"),
             ("Peak", f"{d['predicted_peak']}, predicted for fwd+bwd with x and W needing grad"),
             ("Time", f"{d['predicted_ms']:.1f} ms predicted for fwd+bwd (cost model, {d['device']['family']} rates)"),
-            ("Weight grad", _accumulation_note(d["weight_grad_low_precision_steps"])),
+            ("W grad", _accumulation_note(d["weight_grad_low_precision_steps"])),
             ("On OOM", oom),
         ]
-        return "\n".join(f"{label + ':':<13}{value}" for label, value in lines)
+        return "\n".join(f"{label + ':':<12}{value}" for label, value in lines)
 
     # --- content equality ------------------------------------------------------------------------
 
