@@ -151,7 +151,7 @@ def _measure(args: argparse.Namespace) -> int:
     from flce_policy import FLCEPolicy
     from flce_policy.probe import probe_device
 
-    from .methods import default_methods, predicted_peak, select_methods
+    from .methods import default_methods, predicted_peak, predicted_time, select_methods
     from .progress import SuiteProgress
     from .report import write_csv, write_json
     from .suite import DEFAULT_SHAPES, Record, run_suite, with_floor_ratios
@@ -181,6 +181,7 @@ def _measure(args: argparse.Namespace) -> int:
             warmup=metadata["warmup"],
             repeats=metadata["repeats"],
             predict_peak=lambda method, shape: predicted_peak(method, shape, device),
+            predict_time=lambda method, shape: predicted_time(method, shape, device),
             on_start=progress.started,
             on_record=on_record,
         )
@@ -207,7 +208,7 @@ def _rerender(path: Path, args: argparse.Namespace) -> int:
     if not path.is_file():
         raise UsageError(f"--from-json {path}: no such file")
     records, metadata = read_json(path)
-    records = with_floor_ratios(records)
+    records = with_floor_ratios(_with_time_model(records, metadata))
     if metadata.get("complete") is False:
         note = "is from a run that did not finish; it holds the rows measured before it stopped"
         print(f"note: {path} {note}", file=sys.stderr)
@@ -224,6 +225,21 @@ def _rerender(path: Path, args: argparse.Namespace) -> int:
 
 
 # --- pieces ---------------------------------------------------------------------------------------
+
+
+def _with_time_model(records: list, metadata: dict[str, Any]) -> list:
+    """Fill the cost model's prediction into rows saved without it, for the GPU the run names."""
+    from flce_policy.device import DeviceInfo, family_from_name
+
+    from .methods import default_methods, predicted_time
+
+    family = family_from_name(str(metadata.get("gpu", "")))
+    device = DeviceInfo.synthetic(family) if family != "unknown" else DeviceInfo.cpu()
+    methods = {m.name: m for m in default_methods()}
+    for record in records:
+        if record.predicted_ms is None and record.method in methods and record.status == "ok":
+            record.predicted_ms = predicted_time(methods[record.method], record.shape, device)
+    return records
 
 
 def _plot(records: Any, metadata: dict[str, Any], path: Path) -> None:

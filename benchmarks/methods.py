@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from flce_policy.cost_model import predict_seconds, rates_for
 from flce_policy.device import DeviceInfo
 from flce_policy.geometry import Geometry
 from flce_policy.memory import predict_peak
@@ -295,3 +296,17 @@ def predicted_peak(
     geometry = method.plan(Problem(*shape, dtype=dtype), device)
     accum_dtype = "float32" if method.accum == "fp32" else None
     return geometry.chunk_size, predict_peak(geometry, accum_dtype=accum_dtype).total_bytes
+
+
+def predicted_time(
+    method: Method, shape: tuple[int, int, int], device: DeviceInfo, *, dtype: str = "bfloat16"
+) -> float | None:
+    """The cost model's fwd+bwd milliseconds for ``method``'s geometry (None without a plan).
+
+    For Liger rows it is our model at Liger's chunk: Liger runs the same three GEMMs per chunk.
+    """
+    if method.plan is None:
+        return None
+    geometry = method.plan(Problem(*shape, dtype=dtype), device)
+    accum_dtype = "float32" if method.accum == "fp32" else None
+    return predict_seconds(geometry, rates_for(device), accum_dtype=accum_dtype).seconds * 1e3

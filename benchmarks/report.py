@@ -51,6 +51,7 @@ CSV_COLUMNS = (
     "peak_bytes",
     "predicted_peak_bytes",
     "pred_over_meas",
+    "predicted_ms",
     "status",
     "times_ms",
 )
@@ -179,6 +180,7 @@ def render_table(records: Sequence[Record], console: Console, *, title: str = ""
                 _gib(r.peak_bytes),
                 predicted,
                 _num(r.pred_over_meas, "{:.3f}"),
+                _num(r.predicted_ms, "{:.1f}"),
                 r.status,
             )
     console.print(table)
@@ -194,11 +196,13 @@ _COLUMNS = (
     ("peak GiB", "right"),
     ("predicted GiB", "right"),
     ("pred/meas", "right"),
+    ("model ms", "right"),
     ("status", "left"),
 )
 _CAPTION = (
     "x floor = median / gemm_floor median (same run, same GPU). Peak = max allocated during one call minus before it.\n"
-    "* Liger rows: our memory model at Liger's chunk (HeuristicC(c)), not Liger's own accounting."
+    "* Liger rows: our memory model at Liger's chunk (HeuristicC(c)), not Liger's own accounting.\n"
+    "model ms: the cost model's prediction (flce_policy/cost_model.py) at the row's geometry."
 )
 
 

@@ -40,6 +40,7 @@ class Record:
     times_ms: tuple[float, ...] = ()
     peak_bytes: int | None = None  # over the inputs: max_memory_allocated minus the allocation before the call
     predicted_peak_bytes: int | None = None  # flce_policy.memory.predict_peak at chunk_size
+    predicted_ms: float | None = None  # flce_policy.cost_model at the row's geometry
     x_floor: float | None = None  # median_ms / the gemm_floor median of the same shape and run
     status: str = "ok"
 
@@ -95,12 +96,14 @@ def run_suite(
     warmup: int = 2,
     repeats: int = 5,
     predict_peak: Callable[[Method, Shape], tuple[int | None, int | None]] | None = None,
+    predict_time: Callable[[Method, Shape], float | None] | None = None,
     on_start: Callable[[Shape, Method], None] | None = None,
     on_record: Callable[[Record], None] | None = None,
 ) -> list[Record]:
     """Measure every method at every shape; a method that cannot run gets a record saying why.
 
-    ``predict_peak(method, shape)`` returns (chunk_size, predicted peak bytes) for our rows.
+    ``predict_peak(method, shape)`` returns (chunk_size, predicted peak bytes) for our rows;
+    ``predict_time(method, shape)`` the cost model's fwd+bwd milliseconds.
     """
     records: list[Record] = []
     for shape in shapes:
@@ -114,6 +117,8 @@ def run_suite(
                 chunk, predicted = predict_peak(method, shape)
                 record.chunk_size = chunk if chunk is not None else record.chunk_size
                 record.predicted_peak_bytes = predicted
+            if predict_time is not None:
+                record.predicted_ms = predict_time(method, shape)
             try:
                 step = method.build(inputs)
                 result = measure(step, warmup=warmup, repeats=repeats)
