@@ -130,26 +130,19 @@ def _build_parser() -> _Parser:
     validate.add_argument("--json", action="store_true", help="JSON on stdout")
     validate.set_defaults(run=_cmd_validate)
 
-    # bench parses its own options: every argument after "bench" is handed over as is (prefix_chars
-    # that no argument uses keep argparse from reading --out, --help, ... here).
-    bench = sub.add_parser(
-        "bench",
-        help="time and peak memory of FLCE methods on this GPU (see bench --help)",
-        prefix_chars="\0",
-        add_help=False,
+    _add_passthrough(sub, "bench", "time and peak memory of FLCE methods on this GPU", _cmd_bench)
+    _add_passthrough(
+        sub, "tune", "measure chunk sizes on this GPU and write the fastest that fits as a policy YAML", _cmd_tune
     )
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
-    bench.set_defaults(run=_cmd_bench)
-
-    tune = sub.add_parser(
-        "tune",
-        help="measure chunk sizes on this GPU and write the fastest that fits as a policy YAML (see tune --help)",
-        prefix_chars="\0",
-        add_help=False,
-    )
-    tune.add_argument("tune_args", nargs=argparse.REMAINDER)
-    tune.set_defaults(run=_cmd_tune)
     return parser
+
+
+def _add_passthrough(sub: Any, name: str, help_text: str, run: Any) -> None:
+    """A subcommand that parses its own options: every argument after ``name`` is handed over as is
+    (prefix_chars that no argument uses keep argparse from reading --out, --help, ... here)."""
+    parser = sub.add_parser(name, help=f"{help_text} (see {name} --help)", prefix_chars="\0", add_help=False)
+    parser.add_argument(f"{name}_args", nargs=argparse.REMAINDER)
+    parser.set_defaults(run=run)
 
 
 def _add_problem_args(parser: argparse.ArgumentParser, *, model_default: str | None) -> None:
