@@ -9,7 +9,9 @@ Terms (seconds), each traced to measurements on the H200 (benchmarks/notes/READM
   an fp32 accumulator is cast once at the end;
 - grad_input accumulator of vocab tiles: every tile after the first re-reads and re-writes the
   fp32 ``[chunk_size, H]`` accumulator, for every row;
-- the CE kernels: two reads and one write of all logits at ``ce_efficiency`` of HBM.
+- the CE kernels: two reads and one write of all logits at ``ce_efficiency`` of HBM;
+- late vocab tiles (flce_policy.accumulator) computed a third time: their logits GEMM and a
+  read and a write of their logits.
 At 8192x5376x262144 this predicts 149 / 112 / 108 ms for 256 / 2048 / 8192-row chunks and
 146 ms for 8192-column vocab tiles, against 151 / 112 / 108 and 148 ms measured.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from flce_policy.accumulator import accumulator_layout
 from flce_policy.device import DeviceInfo
 from flce_policy.geometry import Geometry
 from flce_policy.problem import DTYPE_ITEMSIZE
@@ -75,6 +78,7 @@ def predict_seconds(geometry: Geometry, rates: DeviceRates, *, accum_dtype: str 
     accum_item = item if writes_once or accum_dtype is None else DTYPE_ITEMSIZE[accum_dtype]
     weight_elems = p.vocab * p.hidden
     gemms = 3 if geometry.is_row_only else 4
+    recomputed_columns = min(accumulator_layout(geometry).recomputed_tiles * geometry.vocab_chunk, p.vocab)
     rmw_bandwidth = hbm * (rates.fp32_rmw_efficiency if accum_item > item else 1.0)
     terms = {
         "gemm": gemms * 2.0 * p.tokens * p.hidden * p.vocab / rates.matmul_flops,
@@ -84,5 +88,8 @@ def predict_seconds(geometry: Geometry, rates: DeviceRates, *, accum_dtype: str 
         if not geometry.is_row_only
         else 0.0,
         "ce": 3 * p.tokens * p.vocab * item / (hbm * rates.ce_efficiency),
+        "late_tiles": recomputed_columns
+        * p.tokens
+        * (2.0 * p.hidden / rates.matmul_flops + 2 * item / (hbm * rates.ce_efficiency)),
     }
     return TimeEstimate(sum(terms.values()), terms)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from flce_policy.accumulator import accumulator_layout, narrow_step_rows
 from flce_policy.geometry import Geometry
 from flce_policy.problem import DTYPE_ITEMSIZE, Problem
 from flce_policy.units import format_bytes
@@ -52,9 +53,14 @@ def predict_peak(
         accum_itemsize = p.itemsize  # each grad_weight slice is written once: no wider accumulator
     held = _held(p, input_grad=input_grad, weight_grad=weight_grad, bias=bias, accum_itemsize=accum_itemsize)
     loop = {"slab": geometry.slab_bytes, **held}
-    if not geometry.is_row_only and input_grad:
-        # vocab tiles add into grad_input across the tiles: an fp32 [chunk_size, H] accumulator
-        loop["grad_input_accumulator"] = geometry.chunk_size * p.hidden * _FP32
+    layout = accumulator_layout(geometry, input_grad=input_grad, weight_grad=weight_grad)
+    if layout.separate:
+        # vocab tiles add into grad_input across the tiles; the rows of the fp32 accumulator
+        # that do not fit in borrowed bytes (flce_policy.accumulator)
+        loop["grad_input_accumulator"] = layout.separate_bytes(p.hidden)
+    if layout.in_grad_input:
+        step_rows = min(narrow_step_rows(p.hidden, p.itemsize), layout.in_grad_input)
+        loop["narrowing_step"] = step_rows * p.hidden * p.itemsize
     weight_elems = p.vocab * p.hidden
     cast = {
         **held,

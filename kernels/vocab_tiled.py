@@ -2,10 +2,11 @@
 
 Per row chunk: pass 1 computes each vocab tile's logits and folds them into the rows' online
 log-sum-exp partials (one slot per tile and segment); pass 2 recomputes each tile, turns it into
-dL/dlogits in place, adds ``G @ W_tile`` into an fp32 ``[chunk_size, H]`` grad_input accumulator
-and produces ``G.T @ x_chunk`` for that vocab slice of grad_weight. With a single row chunk each
-grad_weight slice is written exactly once by a GEMM that accumulates in fp32 internally: fp32
-accuracy with no parameter-sized fp32 buffer and no read-modify-write. Four GEMMs instead of three.
+dL/dlogits in place, adds ``G @ W_tile`` into an fp32 grad_input accumulator (held in borrowed
+bytes, see flce_policy.accumulator) and produces ``G.T @ x_chunk`` for that vocab slice of
+grad_weight. With a single row chunk each grad_weight slice is written exactly once by a GEMM that
+accumulates in fp32 internally: fp32 accuracy with no parameter-sized fp32 buffer and no
+read-modify-write. Four GEMMs instead of three (plus the few late tiles computed a third time).
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flce_policy.accumulator import accumulator_layout
 from flce_policy.geometry import Geometry
 
 from .ce_kernel import ce_finish, ce_partial, ce_workspace
 from .gemm import accumulate_mm
+from .input_accumulator import InputAccumulator
 
 if TYPE_CHECKING:
     from .driver import CEParams, DriverOutputs, GradRequest
@@ -52,9 +55,11 @@ def run_vocab_tiled(
     chunk_size, tiles = geometry.chunk_size, _tiles(geometry)
     slab = torch.empty(chunk_size * geometry.vocab_chunk, dtype=x.dtype, device=x.device)
     workspace = ce_workspace(chunk_size, geometry.vocab_chunk, x.device, num_tiles=len(tiles))
-    grad_input_acc = (
-        torch.empty((chunk_size, x.shape[1]), dtype=torch.float32, device=x.device) if grad_input is not None else None
+    layout = accumulator_layout(geometry, input_grad=grad_input is not None, weight_grad=grad_weight is not None)
+    separate = (
+        torch.empty((layout.separate, x.shape[1]), dtype=torch.float32, device=x.device) if layout.separate else None
     )
+    first_late = len(tiles) - layout.late_tiles
     shared = dict(
         ignore_index=params.ignore_index,
         label_smoothing=params.label_smoothing,
@@ -102,7 +107,13 @@ def run_vocab_tiled(
             ce_finish(tile, target_chunk, loss_rows[rows], workspace, **finish)
         else:
             row_scale = grad_scale[rows] if scale_per_row else grad_scale
-            for tile_index, (start, stop) in enumerate(tiles):
+            accumulator = (
+                None
+                if grad_input is None
+                else InputAccumulator(grad_input[rows], layout, grad_weight=grad_weight, separate=separate)
+            )
+
+            def grad_tile(start: int, stop: int, *, write_loss: bool) -> torch.Tensor:
                 tile = logits_tile(x_chunk, start, stop)
                 ce_finish(
                     tile,
@@ -110,18 +121,31 @@ def run_vocab_tiled(
                     loss_rows[rows],
                     workspace,
                     col_offset=start,
-                    write_loss=tile_index == 0,
+                    write_loss=write_loss,
                     grad_scale=row_scale,
                     **finish,
                 )
-                if grad_input_acc is not None:
-                    accumulate_mm(grad_input_acc[: tile.shape[0]], tile, weight[start:stop], first=tile_index == 0)
-                if grad_weight is not None:
-                    accumulate_mm(grad_weight[start:stop], tile.t(), x_chunk, first=index == 0)
+                return tile
+
+            def weight_slice(tile: torch.Tensor, start: int, stop: int) -> None:
+                accumulate_mm(grad_weight[start:stop], tile.t(), x_chunk, first=index == 0)
+
+            for tile_index, (start, stop) in enumerate(tiles):
+                tile = grad_tile(start, stop, write_loss=tile_index == 0)
+                if accumulator is not None:
+                    accumulator.add(tile, weight[start:stop], first=tile_index == 0)
+                if grad_weight is not None and tile_index < first_late:
+                    weight_slice(tile, start, stop)
                 if grad_bias is not None:
                     grad_bias[start:stop] += tile.sum(dim=0, dtype=torch.float32)
-            if grad_input is not None:
-                grad_input[rows].copy_(grad_input_acc[: row_stop - row_start])
+            if accumulator is not None:
+                accumulator.finish()
+            if layout.late_tiles:
+                # The borrowed grad_weight rows are free now: the last tile is still in the slab,
+                # the other late tiles are computed again.
+                weight_slice(tile, *tiles[-1])
+                for start, stop in tiles[first_late:-1]:
+                    weight_slice(grad_tile(start, stop, write_loss=False), start, stop)
         if _observers:
             slab_shape = (chunk_size, geometry.vocab_chunk)
             notify(ChunkEvent(index, row_start, row_stop - row_start, slab_shape, slab.numel() * slab.element_size()))

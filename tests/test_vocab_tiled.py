@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from flce_policy import Geometry, Problem, fused_linear_cross_entropy
+from flce_policy.accumulator import accumulator_layout
 from flce_policy.kernels.driver import observe_chunks
 
 BT, H, V = 37, 24, 301  # odd on purpose: tails in both dimensions
@@ -132,3 +133,68 @@ def test_bf16_single_row_chunk_rounds_weight_gradient_once():
     _, (_, gw) = run((BT, 64), x, w, None, y, dtype=torch.bfloat16)
     # the interpreter rounds fp32 -> bf16 by truncation (twice the error of the GPU's rounding)
     assert rel(gw, rgw) <= 4 * rel(egw, rgw)
+
+
+# --- the fp32 grad_input accumulator in borrowed bytes (flce_policy.accumulator) ---------------
+
+
+def bf16_case(seed: int, hidden: int = H):
+    """bf16 inputs, the fp64 reference gradients from the same rounded values, and eager bf16's."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(BT, hidden, generator=gen, dtype=torch.float64).to(torch.bfloat16)
+    w = (torch.randn(V, hidden, generator=gen, dtype=torch.float64) * (3 / hidden**0.5)).to(torch.bfloat16)
+    y = torch.randint(0, V, (BT,), generator=gen)
+    leaves = [t.double().requires_grad_() for t in (x, w)]
+    ref = torch.autograd.grad(F.cross_entropy(leaves[0] @ leaves[1].t(), y), leaves)
+    eager_leaves = [t.clone().requires_grad_() for t in (x, w)]
+    eager = torch.autograd.grad(F.cross_entropy((eager_leaves[0] @ eager_leaves[1].t()).float(), y), eager_leaves)
+    return x, w, y, ref, eager
+
+
+def run_bf16(x, w, y, chunk_size, vocab_chunk, *, weight_grad=True):
+    problem = Problem(BT, x.shape[1], V, torch.bfloat16)
+    geometry = Geometry.for_problem(problem, chunk_size, vocab_chunk=vocab_chunk)
+    leaves = [x.clone().requires_grad_(), w.clone().requires_grad_(weight_grad)]
+    loss = fused_linear_cross_entropy(leaves[0], leaves[1], y, policy=geometry)
+    wanted = leaves if weight_grad else leaves[:1]
+    return geometry, torch.autograd.grad(loss, wanted)
+
+
+def worst_row_error(got, want):
+    """The largest per-row relative error: one row left in fp32 bytes or never narrowed stands out."""
+    got, want = got.double(), want.double()
+    return float(((got - want).norm(dim=1) / want.norm(dim=1).clamp_min(1e-30)).max())
+
+
+@pytest.mark.parametrize(
+    "chunk_size, vocab_chunk, hidden, expected",
+    [
+        # one row chunk, grad_weight lends its last 38 rows: the last 3 tiles of 16 are late
+        (BT, 16, H, dict(in_grad_input=18, separate=0, in_grad_weight=19, late_tiles=3)),
+        # one late tile, still in the slab when its rows are free
+        (BT, 64, H, dict(in_grad_input=18, separate=0, in_grad_weight=19, late_tiles=1)),
+        # two late tiles of 100 columns would recompute a third of V: a buffer instead
+        (BT, 100, H, dict(in_grad_input=18, separate=19, in_grad_weight=0, late_tiles=0)),
+        # several row chunks accumulate into grad_weight: the tail rows get a buffer
+        (16, 64, H, dict(in_grad_input=8, separate=8, in_grad_weight=0, late_tiles=0)),
+        # odd H: a bf16 row does not hold whole fp32 values at every row start
+        (BT, 16, 25, dict(in_grad_input=0, separate=BT, in_grad_weight=0, late_tiles=0)),
+    ],
+    ids=["late-3", "late-1", "recompute-too-wide", "row-chunks", "odd-hidden"],
+)
+def test_bf16_accumulator_layouts_match_the_reference(chunk_size, vocab_chunk, hidden, expected):
+    x, w, y, (rgx, rgw), (egx, egw) = bf16_case(7, hidden)
+    geometry, (gx, gw) = run_bf16(x, w, y, chunk_size, vocab_chunk)
+    layout = accumulator_layout(geometry)
+    assert {k: getattr(layout, k) for k in expected} == expected
+    # the interpreter rounds fp32 -> bf16 by truncation (twice the error of the GPU's rounding)
+    assert rel(gx, rgx) <= 4 * rel(egx, rgx)
+    assert worst_row_error(gx, rgx) <= 4 * worst_row_error(egx, rgx)
+    assert worst_row_error(gw, rgw) <= 4 * worst_row_error(egw, rgw) + 0.02  # several row chunks: bf16 sums
+
+
+def test_bf16_frozen_weight_keeps_the_tail_in_a_buffer():
+    x, w, y, (rgx, _), (egx, _) = bf16_case(8)
+    geometry, (gx,) = run_bf16(x, w, y, BT, 16, weight_grad=False)
+    assert accumulator_layout(geometry, weight_grad=False).separate == BT - BT // 2
+    assert worst_row_error(gx, rgx) <= 4 * worst_row_error(egx, rgx)
