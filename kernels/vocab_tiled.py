@@ -28,11 +28,6 @@ if TYPE_CHECKING:
 __all__ = ["run_vocab_tiled"]
 
 
-def _tiles(geometry: Geometry) -> list[tuple[int, int]]:
-    vocab, width = geometry.problem.vocab, geometry.vocab_chunk
-    return [(start, min(start + width, vocab)) for start in range(0, vocab, width)]
-
-
 def run_vocab_tiled(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -50,102 +45,117 @@ def run_vocab_tiled(
     """Fill ``outputs`` (the driver's buffers) for a vocab-tiled ``geometry``; see the module docstring."""
     from .driver import ChunkEvent, _fault_hooks, _observers, before_chunk, notify
 
-    loss_rows, z_loss_rows, correct_rows, grad_input, grad_weight, grad_bias = outputs
-    tokens, vocab = x.shape[0], weight.shape[0]
-    chunk_size, tiles = geometry.chunk_size, _tiles(geometry)
-    slab = torch.empty(chunk_size * geometry.vocab_chunk, dtype=x.dtype, device=x.device)
-    workspace = ce_workspace(chunk_size, geometry.vocab_chunk, x.device, num_tiles=len(tiles))
-    layout = accumulator_layout(geometry, input_grad=grad_input is not None, weight_grad=grad_weight is not None)
-    separate = (
-        torch.empty((layout.separate, x.shape[1]), dtype=torch.float32, device=x.device) if layout.separate else None
-    )
-    first_late = len(tiles) - layout.late_tiles
-    shared = dict(
-        ignore_index=params.ignore_index,
-        label_smoothing=params.label_smoothing,
-        softcap=params.softcap,
-        class_weight=class_weight,
-    )
-
-    def logits_tile(x_chunk: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        # A contiguous [rows, cols] view at the head of the slab, also for the narrower last tile.
-        tile = slab[: x_chunk.shape[0] * (stop - start)].view(x_chunk.shape[0], stop - start)
-        w_tile = weight[start:stop].t()
-        if bias is None:
-            torch.mm(x_chunk, w_tile, out=tile)
-        else:
-            torch.addmm(bias[start:stop], x_chunk, w_tile, out=tile)
-        return tile
-
+    run = _TiledRun(x, weight, bias, geometry, params, outputs, class_weight)
+    chunk_size, tokens = geometry.chunk_size, x.shape[0]
     for index in range(geometry.num_chunks):
         if _fault_hooks:
             before_chunk(geometry, index)
         row_start = index * chunk_size
         row_stop = min(row_start + chunk_size, tokens)
         rows = slice(row_start, row_stop)
-        x_chunk, target_chunk = x[rows], target[rows]
-        for tile_index, (start, stop) in enumerate(tiles):
-            tile = logits_tile(x_chunk, start, stop)
+        run.partial_pass(x[rows], target[rows])
+        finish = run.finish_options(rows, scale_per_row)
+        if not grads.any:
+            ce_finish(run.last_tile, target[rows], outputs.loss_rows[rows], run.workspace, **finish)
+        else:
+            row_scale = grad_scale[rows] if scale_per_row else grad_scale
+            run.grad_pass(x[rows], target[rows], rows, dict(finish, grad_scale=row_scale), first_chunk=index == 0)
+        if _observers:
+            slab_shape = (chunk_size, geometry.vocab_chunk)
+            notify(ChunkEvent(index, row_start, row_stop - row_start, slab_shape, run.slab_bytes))
+
+
+class _TiledRun:
+    """The buffers shared by every row chunk of one call, and the two passes over a chunk's tiles."""
+
+    def __init__(self, x, weight, bias, geometry: Geometry, params: CEParams, outputs: DriverOutputs, class_weight):
+        self.weight, self.bias, self.outputs, self.params = weight, bias, outputs, params
+        vocab, width = geometry.problem.vocab, geometry.vocab_chunk
+        self.tiles = [(start, min(start + width, vocab)) for start in range(0, vocab, width)]
+        self.slab = torch.empty(geometry.chunk_size * width, dtype=x.dtype, device=x.device)
+        self.slab_bytes = self.slab.numel() * self.slab.element_size()
+        self.workspace = ce_workspace(geometry.chunk_size, width, x.device, num_tiles=len(self.tiles))
+        self.layout = accumulator_layout(
+            geometry, input_grad=outputs.grad_input is not None, weight_grad=outputs.grad_weight is not None
+        )
+        separate_rows = self.layout.separate
+        self.separate = (
+            torch.empty((separate_rows, x.shape[1]), dtype=torch.float32, device=x.device) if separate_rows else None
+        )
+        self.first_late = len(self.tiles) - self.layout.late_tiles
+        self.shared = dict(
+            ignore_index=params.ignore_index,
+            label_smoothing=params.label_smoothing,
+            softcap=params.softcap,
+            class_weight=class_weight,
+        )
+        self.last_tile: torch.Tensor | None = None
+
+    def logits_tile(self, x_chunk: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        # A contiguous [rows, cols] view at the head of the slab, also for the narrower last tile.
+        tile = self.slab[: x_chunk.shape[0] * (stop - start)].view(x_chunk.shape[0], stop - start)
+        w_tile = self.weight[start:stop].t()
+        if self.bias is None:
+            torch.mm(x_chunk, w_tile, out=tile)
+        else:
+            torch.addmm(self.bias[start:stop], x_chunk, w_tile, out=tile)
+        self.last_tile = tile
+        return tile
+
+    def partial_pass(self, x_chunk: torch.Tensor, target_chunk: torch.Tensor) -> None:
+        """Pass 1: every tile's logits folded into the rows' log-sum-exp partials."""
+        for tile_index, (start, stop) in enumerate(self.tiles):
             ce_partial(
-                tile,
+                self.logits_tile(x_chunk, start, stop),
                 target_chunk,
-                workspace,
+                self.workspace,
                 col_offset=start,
                 tile_index=tile_index,
-                track_argmax=correct_rows is not None,
-                **shared,
+                track_argmax=self.outputs.correct_rows is not None,
+                **self.shared,
             )
-        finish = dict(
-            vocab=vocab,
-            z_loss_scale=params.z_loss_scale,
+
+    def finish_options(self, rows: slice, scale_per_row: bool) -> dict:
+        z_loss_rows, correct_rows = self.outputs.z_loss_rows, self.outputs.correct_rows
+        return dict(
+            vocab=self.weight.shape[0],
+            z_loss_scale=self.params.z_loss_scale,
             z_loss_rows=None if z_loss_rows is None else z_loss_rows[rows],
             correct_rows=None if correct_rows is None else correct_rows[rows],
             scale_per_row=scale_per_row,
-            **shared,
+            **self.shared,
         )
-        if not grads.any:
-            ce_finish(tile, target_chunk, loss_rows[rows], workspace, **finish)
-        else:
-            row_scale = grad_scale[rows] if scale_per_row else grad_scale
-            accumulator = (
-                None
-                if grad_input is None
-                else InputAccumulator(grad_input[rows], layout, grad_weight=grad_weight, separate=separate)
-            )
 
-            def grad_tile(start: int, stop: int, *, write_loss: bool) -> torch.Tensor:
-                tile = logits_tile(x_chunk, start, stop)
-                ce_finish(
-                    tile,
-                    target_chunk,
-                    loss_rows[rows],
-                    workspace,
-                    col_offset=start,
-                    write_loss=write_loss,
-                    grad_scale=row_scale,
-                    **finish,
-                )
-                return tile
+    def grad_tile(self, x_chunk, target_chunk, loss_rows, finish: dict, start: int, stop: int, *, write_loss: bool):
+        """A tile's logits again, turned into dL/dlogits in place (and the rows' losses with ``write_loss``)."""
+        tile = self.logits_tile(x_chunk, start, stop)
+        ce_finish(tile, target_chunk, loss_rows, self.workspace, col_offset=start, write_loss=write_loss, **finish)
+        return tile
 
-            def weight_slice(tile: torch.Tensor, start: int, stop: int) -> None:
-                accumulate_mm(grad_weight[start:stop], tile.t(), x_chunk, first=index == 0)
-
-            for tile_index, (start, stop) in enumerate(tiles):
-                tile = grad_tile(start, stop, write_loss=tile_index == 0)
-                if accumulator is not None:
-                    accumulator.add(tile, weight[start:stop], first=tile_index == 0)
-                if grad_weight is not None and tile_index < first_late:
-                    weight_slice(tile, start, stop)
-                if grad_bias is not None:
-                    grad_bias[start:stop] += tile.sum(dim=0, dtype=torch.float32)
+    def grad_pass(self, x_chunk, target_chunk, rows: slice, finish: dict, *, first_chunk: bool) -> None:
+        """Pass 2: per tile, dL/dlogits, then the grad_input accumulator, grad_weight slice and grad_bias."""
+        _, _, _, grad_input, grad_weight, grad_bias = self.outputs
+        loss_rows = self.outputs.loss_rows[rows]
+        accumulator = (
+            None
+            if grad_input is None
+            else InputAccumulator(grad_input[rows], self.layout, grad_weight=grad_weight, separate=self.separate)
+        )
+        for tile_index, (start, stop) in enumerate(self.tiles):
+            tile = self.grad_tile(x_chunk, target_chunk, loss_rows, finish, start, stop, write_loss=tile_index == 0)
             if accumulator is not None:
-                accumulator.finish()
-            if layout.late_tiles:
-                # The borrowed grad_weight rows are free now: the last tile is still in the slab,
-                # the other late tiles are computed again.
-                weight_slice(tile, *tiles[-1])
-                for start, stop in tiles[first_late:-1]:
-                    weight_slice(grad_tile(start, stop, write_loss=False), start, stop)
-        if _observers:
-            slab_shape = (chunk_size, geometry.vocab_chunk)
-            notify(ChunkEvent(index, row_start, row_stop - row_start, slab_shape, slab.numel() * slab.element_size()))
+                accumulator.add(tile, self.weight[start:stop], first=tile_index == 0)
+            if grad_weight is not None and tile_index < self.first_late:
+                accumulate_mm(grad_weight[start:stop], tile.t(), x_chunk, first=first_chunk)
+            if grad_bias is not None:
+                grad_bias[start:stop] += tile.sum(dim=0, dtype=torch.float32)
+        if accumulator is not None:
+            accumulator.finish()
+        if self.layout.late_tiles:
+            # The borrowed grad_weight rows are free now: the last tile is still in the slab, the
+            # other late tiles are computed again. (Late tiles exist only with one row chunk.)
+            start, stop = self.tiles[-1]
+            accumulate_mm(grad_weight[start:stop], tile.t(), x_chunk, first=True)
+            for start, stop in self.tiles[self.first_late : -1]:
+                tile = self.grad_tile(x_chunk, target_chunk, loss_rows, finish, start, stop, write_loss=False)
+                accumulate_mm(grad_weight[start:stop], tile.t(), x_chunk, first=True)
