@@ -151,7 +151,7 @@ def _measure(args: argparse.Namespace) -> int:
     from flce_policy import FLCEPolicy
     from flce_policy.probe import probe_device
 
-    from .methods import default_methods, predicted_peak, predicted_time, select_methods
+    from .methods import default_methods, planned_vocab_chunk, predicted_peak, predicted_time, select_methods
     from .progress import SuiteProgress
     from .report import write_csv, write_json
     from .suite import DEFAULT_SHAPES, Record, run_suite, with_floor_ratios
@@ -182,6 +182,7 @@ def _measure(args: argparse.Namespace) -> int:
             repeats=metadata["repeats"],
             predict_peak=lambda method, shape: predicted_peak(method, shape, device),
             predict_time=lambda method, shape: predicted_time(method, shape, device),
+            vocab_chunk=lambda method, shape: planned_vocab_chunk(method, shape, device),
             on_start=progress.started,
             on_record=on_record,
         )

@@ -23,6 +23,7 @@ from flce_policy.device import DeviceInfo
 from flce_policy.geometry import Geometry
 from flce_policy.memory import predict_peak
 from flce_policy.problem import Problem
+from flce_policy.units import parse_bytes
 
 if TYPE_CHECKING:
     from flce_policy.policy import FLCEPolicy
@@ -35,6 +36,7 @@ __all__ = [
     "Unavailable",
     "default_methods",
     "make_inputs",
+    "planned_vocab_chunk",
     "predicted_peak",
     "select_methods",
 ]
@@ -44,6 +46,11 @@ Step = Callable[[], None]
 Plan = Callable[[Problem, DeviceInfo], Geometry]
 #: The name of the reference row every ratio is taken against.
 FLOOR = "gemm_floor"
+#: The rows' grad_weight accumulation: the label and the loss's ``accum_dtype``.
+_ACCUM_DTYPES: dict[str, torch.dtype | None] = {"bf16": None, "fp32": torch.float32}
+#: The peak limit of the lean Fastest row: under liger-kernel fp32 (8.20 GiB at 32768x5376x262144)
+#: by 5 GiB, and within it the two bf16 gradients (2.95 GiB there) and a 256 MiB slab.
+LEAN_PEAK = "3276MiB"
 
 
 class Unavailable(Exception):
@@ -201,18 +208,19 @@ def default_methods(
     chunk_sizes: tuple[int, ...] = (256, 512, 1024, 2048, 4096),
     *,
     policy: FLCEPolicy | None = None,
-    vocab_chunks: tuple[int, ...] = (4096, 8192, 16384),
+    vocab_chunks: tuple[int, ...] = (2048, 4096, 8192, 16384),
+    fastest_slabs: tuple[str, ...] = ("256MiB", "1GiB", "4GiB"),
 ) -> list[Method]:
     """The suite's rows: floor, ours (default policy and fixed chunks, bf16 and fp32 accumulation), peers.
 
     ``policy`` is what the ``ours_default`` rows run (default: ``FLCEPolicy.default()``).
     """
     from flce_policy import FLCEPolicy
-    from flce_policy.strategies import HeuristicC
+    from flce_policy.strategies import Fastest, HeuristicC
 
     policy = FLCEPolicy.default() if policy is None else policy
     methods = [Method(FLOOR, "floor", gemm_floor)]
-    for accum, dtype in (("bf16", None), ("fp32", torch.float32)):
+    for accum, dtype in _ACCUM_DTYPES.items():
         methods.append(
             Method(
                 f"ours_default_{accum}",
@@ -252,7 +260,24 @@ def default_methods(
                 f"ours_vtile{vocab_chunk}_bf16",
                 "ours vocab-tiled",
                 ours(partial(_vocab_tiled_for_inputs, vocab_chunk)),
+                options={"vocab_chunk": vocab_chunk},
                 plan=partial(_vocab_tiled_plan, vocab_chunk),
+            )
+        )
+    # The cost-model strategy under slab limits (and once under the peak of the bf16 gradients
+    # plus a 256 MiB slab, fp32-accurate): the report compares each pick with the sweep above.
+    fastest = [(slab, accum, None) for slab in fastest_slabs for accum in ("bf16", "fp32")]
+    for slab, accum, max_peak in [*fastest, ("256MiB", "fp32", LEAN_PEAK)]:
+        strategy = Fastest(max_slab=slab, accum=accum, max_peak=max_peak)
+        peak_label = "" if max_peak is None else f"_peak{max_peak}"
+        methods.append(
+            Method(
+                f"ours_fastest{slab}{peak_label}_{accum}",
+                "ours fastest",
+                ours(lambda inputs, strategy=strategy: strategy, _ACCUM_DTYPES[accum]),
+                accum=accum,
+                options={"max_slab": parse_bytes(slab), "max_peak": max_peak and parse_bytes(max_peak)},
+                plan=strategy.geometry,
             )
         )
     methods.append(Method("cce", "cce", cce()))
@@ -296,6 +321,15 @@ def predicted_peak(
     geometry = method.plan(Problem(*shape, dtype=dtype), device)
     accum_dtype = "float32" if method.accum == "fp32" else None
     return geometry.chunk_size, predict_peak(geometry, accum_dtype=accum_dtype).total_bytes
+
+
+def planned_vocab_chunk(
+    method: Method, shape: tuple[int, int, int], device: DeviceInfo, *, dtype: str = "bfloat16"
+) -> int | None:
+    """The vocab tile of ``method``'s geometry at ``shape`` (V for row-only; None without a plan)."""
+    if method.plan is None:
+        return None
+    return method.plan(Problem(*shape, dtype=dtype), device).vocab_chunk
 
 
 def predicted_time(

@@ -35,6 +35,7 @@ CHUNK256_SHAPE: Shape = (8192, 5376, 262144)
 CHUNK256_MAX_X_FLOOR = 1.45  # ours_chunk256_bf16 at CHUNK256_SHAPE
 PREDICTION_TOLERANCE = 0.05  # max |predicted / measured - 1| over our rows
 LIGER_PEAK_TOLERANCE = 0.05  # our peak / Liger's peak - 1 at the same chunk size and accumulation
+FASTEST_PICK_TOLERANCE = 1.10  # a Fastest row's time / the fastest swept row within its limits
 
 _GIB = 2**30
 CSV_COLUMNS = (
@@ -46,6 +47,7 @@ CSV_COLUMNS = (
     "family",
     "accum",
     "chunk_size",
+    "vocab_chunk",
     "median_ms",
     "x_floor",
     "peak_bytes",
@@ -93,6 +95,7 @@ def target_checks(records: Sequence[Record]) -> list[Check]:
             checks.append(_floor_check(shape, by_name, "ours_chunk256_bf16", "chunk 256 x floor", CHUNK256_MAX_X_FLOOR))
         checks.append(_prediction_check(shape, rows))
         checks.extend(_liger_checks(shape, rows))
+        checks.extend(_fastest_checks(shape, rows))
     return checks
 
 
@@ -140,6 +143,43 @@ def _liger_checks(shape: Shape, rows: Sequence[Record]) -> list[Check]:
     return checks
 
 
+def _fastest_checks(shape: Shape, rows: Sequence[Record]) -> list[Check]:
+    """Each cost-model pick against the fastest swept row of ours within the same limits.
+
+    Swept rows: fixed chunks (of the pick's accumulation) and vocab tiles over one row chunk (no
+    accumulator, fp32-accurate, so they count under both); within the pick's ``max_slab`` and,
+    where it has one, its ``max_peak`` on the predicted peak (the limit Fastest itself applies).
+    """
+    checks = []
+    for pick in (r for r in rows if r.family == "ours fastest"):
+        target = f"{pick.method} / fastest swept"
+        if pick.median_ms is None:
+            checks.append(Check(shape, target, None, FASTEST_PICK_TOLERANCE, "x", _why_missing(pick)))
+            continue
+        max_slab, max_peak = pick.options["max_slab"], pick.options.get("max_peak")
+        swept = [
+            r
+            for r in rows
+            if r.median_ms is not None
+            and (r.family == "ours vocab-tiled" or (r.family == "ours fixed" and r.accum == pick.accum))
+            and _slab_bytes(r) <= max_slab
+            and (max_peak is None or (r.predicted_peak_bytes or 0) <= max_peak)
+        ]
+        if not swept:
+            checks.append(Check(shape, target, None, FASTEST_PICK_TOLERANCE, "x", "no swept row within its limits"))
+            continue
+        best = min(swept, key=lambda r: r.median_ms)  # type: ignore[arg-type, return-value]
+        value = pick.median_ms / best.median_ms  # type: ignore[operator]
+        checks.append(Check(shape, target, value, FASTEST_PICK_TOLERANCE, "x", f"vs {best.method}"))
+    return checks
+
+
+def _slab_bytes(record: Record) -> int:
+    """The row's logits slab: chunk rows x its vocab tile (all of V without one), bf16."""
+    vocab_chunk = record.vocab_chunk or record.options.get("vocab_chunk") or record.shape[2]
+    return (record.chunk_size or record.shape[0]) * min(vocab_chunk, record.shape[2]) * 2
+
+
 def _ours_at(rows: Sequence[Record], chunk: int | None, accum: str) -> Record | None:
     """Our row at ``chunk`` rows and ``accum`` with a measured peak; a fixed-chunk row before the default one."""
     candidates = [r for r in rows if _is_ours(r) and r.chunk_size == chunk and r.accum == accum and r.peak_bytes]
@@ -174,7 +214,7 @@ def render_table(records: Sequence[Record], console: Console, *, title: str = ""
                 format_shape(r.shape),
                 r.method,
                 r.accum,
-                "-" if r.chunk_size is None else str(r.chunk_size),
+                _chunk_text(r),
                 _num(r.median_ms, "{:.2f}"),
                 _num(r.x_floor, "{:.3f}"),
                 _gib(r.peak_bytes),
@@ -186,11 +226,20 @@ def render_table(records: Sequence[Record], console: Console, *, title: str = ""
     console.print(table)
 
 
+def _chunk_text(record: Record) -> str:
+    """Rows per chunk, and "x columns" for vocab tiles narrower than V."""
+    if record.chunk_size is None:
+        return "-"
+    vocab_chunk = record.vocab_chunk or record.options.get("vocab_chunk")
+    tiles = f"x{vocab_chunk}" if vocab_chunk and vocab_chunk < record.shape[2] else ""
+    return f"{record.chunk_size}{tiles}"
+
+
 _COLUMNS = (
     ("shape", "left"),
     ("method", "left"),
     ("accum", "left"),
-    ("chunk", "right"),
+    ("chunk (x tile)", "right"),
     ("median ms", "right"),
     ("x floor", "right"),
     ("peak GiB", "right"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import re
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ class Record:
     family: str
     accum: str
     chunk_size: int | None = None  # rows per chunk the method ran (ours) or mirrors (Liger's rule)
+    vocab_chunk: int | None = None  # vocab columns per tile of the geometry it ran (ours), V for row-only
     median_ms: float | None = None
     times_ms: tuple[float, ...] = ()
     peak_bytes: int | None = None  # over the inputs: max_memory_allocated minus the allocation before the call
@@ -43,6 +44,7 @@ class Record:
     predicted_ms: float | None = None  # flce_policy.cost_model at the row's geometry
     x_floor: float | None = None  # median_ms / the gemm_floor median of the same shape and run
     status: str = "ok"
+    options: dict[str, Any] = field(default_factory=dict)  # the method's (vocab_chunk, max_slab, Liger's c)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -97,13 +99,15 @@ def run_suite(
     repeats: int = 5,
     predict_peak: Callable[[Method, Shape], tuple[int | None, int | None]] | None = None,
     predict_time: Callable[[Method, Shape], float | None] | None = None,
+    vocab_chunk: Callable[[Method, Shape], int | None] | None = None,
     on_start: Callable[[Shape, Method], None] | None = None,
     on_record: Callable[[Record], None] | None = None,
 ) -> list[Record]:
     """Measure every method at every shape; a method that cannot run gets a record saying why.
 
     ``predict_peak(method, shape)`` returns (chunk_size, predicted peak bytes) for our rows;
-    ``predict_time(method, shape)`` the cost model's fwd+bwd milliseconds.
+    ``predict_time(method, shape)`` the cost model's fwd+bwd milliseconds; ``vocab_chunk(method,
+    shape)`` the vocab tile of the geometry our rows run.
     """
     records: list[Record] = []
     for shape in shapes:
@@ -113,12 +117,15 @@ def run_suite(
                 on_start(shape, method)
             record = Record(shape=shape, method=method.name, family=method.family, accum=method.accum)
             record.chunk_size = method.chunk_size
+            record.options = dict(method.options)
             if predict_peak is not None:
                 chunk, predicted = predict_peak(method, shape)
                 record.chunk_size = chunk if chunk is not None else record.chunk_size
                 record.predicted_peak_bytes = predicted
             if predict_time is not None:
                 record.predicted_ms = predict_time(method, shape)
+            if vocab_chunk is not None:
+                record.vocab_chunk = vocab_chunk(method, shape)
             try:
                 step = method.build(inputs)
                 result = measure(step, warmup=warmup, repeats=repeats)

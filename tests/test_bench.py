@@ -21,6 +21,7 @@ from flce_policy.benchmarks.report import read_json, target_checks, write_csv, w
 from flce_policy.benchmarks.suite import Record, format_shape, parse_shape, with_floor_ratios
 from flce_policy.cli import main
 from flce_policy.device import DeviceInfo
+from flce_policy.problem import Problem
 
 GEMMA = (8192, 5376, 262144)  # BT, H, V: the shape the chunk-256 target is stated at
 SMALL = (4096, 1024, 32768)
@@ -349,9 +350,9 @@ ALL_NAMES = [
             f"liger_c16_{accum}",
         )
     ),
-    "ours_vtile4096_bf16",
-    "ours_vtile8192_bf16",
-    "ours_vtile16384_bf16",
+    *(f"ours_vtile{n}_bf16" for n in (2048, 4096, 8192, 16384)),
+    *(f"ours_fastest{slab}_{accum}" for slab in ("256MiB", "1GiB", "4GiB") for accum in ("bf16", "fp32")),
+    "ours_fastest256MiB_peak3276MiB_fp32",
     "cce",
     "cce_nofilter",
     "eager",
@@ -391,12 +392,15 @@ def _hand_peak(shape, chunk, *, fp32_accum=False, vocab_chunk=None):
     """Larger of two phases (bf16 = 2 B): the chunk loop holds slab + grad_input + grad_weight
     (fp32 with fp32 accumulation) + per-row buffers; after it the slab is freed and an fp32
     accumulator is cast, so both grad_weight copies live at once. Vocab tiles: the slab is
-    [chunk, vocab_chunk], grad_input gets an fp32 [chunk, H] accumulator."""
+    [chunk, vocab_chunk]; with one row chunk grad_input's fp32 accumulator lives in grad_input and
+    grad_weight's bytes, leaving an 8 MiB bounce buffer (whole rows) for narrowing it in place."""
     tokens, hidden, vocab = shape
     slab, grad_input = chunk * (vocab_chunk or vocab) * 2, tokens * hidden * 2
     rows = tokens * (3 * 4 + 8)  # fp32 loss, z-loss and accuracy per row, and the int64 target
     accumulator = vocab * hidden * (4 if fp32_accum else 2)
-    loop = slab + grad_input + accumulator + rows + (chunk * hidden * 4 if vocab_chunk else 0)
+    bounce = (8 * 2**20 // (hidden * 2)) * hidden * 2 if vocab_chunk else 0
+    assert vocab_chunk is None or chunk == tokens  # the vocab-tiled rows run one row chunk
+    loop = slab + grad_input + accumulator + rows + bounce
     cast = grad_input + accumulator + vocab * hidden * 2 + rows if fp32_accum else 0
     return max(loop, cast)
 
@@ -447,7 +451,9 @@ def test_gpu_run_glue_with_a_stubbed_suite(tmp_path, capsys, monkeypatch):
 
     seen = {}
 
-    def fake_run_suite(shapes, methods, *, logit_std, warmup, repeats, predict_peak, predict_time, on_start, on_record):
+    def fake_run_suite(
+        shapes, methods, *, logit_std, warmup, repeats, predict_peak, predict_time, vocab_chunk, on_start, on_record
+    ):
         seen.update(shapes=list(shapes), methods=[m.name for m in methods], std=logit_std, warmup=warmup, rep=repeats)
         records = []
         for shape in shapes:
@@ -457,6 +463,7 @@ def test_gpu_run_glue_with_a_stubbed_suite(tmp_path, capsys, monkeypatch):
                 r = Record(shape, method.name, method.family, method.accum, chunk_size=chunk)
                 r.predicted_peak_bytes, r.median_ms, r.times_ms = predicted, 100.0 + i, (100.0 + i,) * 5
                 r.predicted_ms = predict_time(method, shape)
+                r.vocab_chunk = vocab_chunk(method, shape)
                 r.peak_bytes = predicted or 0
                 records.append(r)
                 on_record(r)
@@ -495,3 +502,62 @@ def test_gpu_run_glue_with_a_stubbed_suite(tmp_path, capsys, monkeypatch):
     assert (out / "bench.csv").is_file()
     assert "ours_default_bf16" in stdout and "targets" in stdout
     assert "8192x5376x262144 liger_c1_bf16: 102.00 ms" in err  # the per-row progress line
+
+
+# --- the cost-model picks against the sweep ---------------------------------------------------------
+
+
+def _row(method, family, accum, ms, *, chunk, vocab_chunk=None, predicted_peak=None, **options):
+    r = Record(GEMMA, method, family, accum, chunk_size=chunk, vocab_chunk=vocab_chunk, median_ms=ms, options=options)
+    r.predicted_peak_bytes = predicted_peak
+    return r
+
+
+def test_fastest_pick_is_judged_against_the_fastest_swept_row_within_its_limits():
+    mib = 2**20
+    rows = [
+        _row("gemm_floor", "floor", "bf16", 100.0, chunk=None),
+        _row("ours_chunk256_fp32", "ours fixed", "fp32", 210.0, chunk=256, predicted_peak=8000 * mib),  # 128 MiB
+        _row("ours_chunk4096_fp32", "ours fixed", "fp32", 110.0, chunk=4096, predicted_peak=9000 * mib),  # 2 GiB
+        _row("ours_chunk256_bf16", "ours fixed", "bf16", 100.0, chunk=256, predicted_peak=3000 * mib),  # other accum
+        _row(
+            "ours_vtile8192_bf16",
+            "ours vocab-tiled",
+            "bf16",
+            140.0,
+            chunk=8192,
+            vocab_chunk=8192,
+            predicted_peak=2900 * mib,
+        ),  # 128 MiB
+        _row("ours_fastest256MiB_fp32", "ours fastest", "fp32", 150.0, chunk=8192, max_slab=256 * mib),
+        _row(
+            "ours_fastest256MiB_peak3000MiB_fp32",
+            "ours fastest",
+            "fp32",
+            150.0,
+            chunk=8192,
+            max_slab=256 * mib,
+            max_peak=3000 * mib,
+        ),
+        _row("ours_fastest4GiB_fp32", "ours fastest", "fp32", None, chunk=4096, max_slab=4096 * mib),
+    ]
+    rows[-1].status = "out of memory"
+    checks = {c.target: c for c in target_checks(with_floor_ratios(rows)) if "fastest" in c.target}
+    # 256 MiB: the 2 GiB chunk and the bf16-accumulated row are out; vtile (140) beats chunk 256 (210)
+    plain = checks["ours_fastest256MiB_fp32 / fastest swept"]
+    assert plain.rows == "vs ours_vtile8192_bf16" and plain.value == pytest.approx(150 / 140) and plain.passed
+    # under a 3000 MiB predicted peak only the vocab tiles remain
+    assert checks["ours_fastest256MiB_peak3000MiB_fp32 / fastest swept"].rows == "vs ours_vtile8192_bf16"
+    failed = checks["ours_fastest4GiB_fp32 / fastest swept"]
+    assert failed.value is None and failed.rows == "out of memory"
+
+
+def test_fastest_rows_plan_within_their_limits():
+    h200 = DeviceInfo.synthetic("H200")
+    for method in (m for m in default_methods() if m.family == "ours fastest"):
+        for shape in (GEMMA, (32768, 5376, 262144), SMALL):
+            _, peak = predicted_peak(method, shape, h200)
+            geometry = method.plan(Problem(*shape), h200)
+            assert geometry.slab_bytes <= method.options["max_slab"], method.name
+            if method.options["max_peak"] is not None:
+                assert peak <= method.options["max_peak"], method.name
