@@ -54,20 +54,20 @@ class CEWorkspace(NamedTuple):
     block_v: int
     segments_per_tile: int
     segment_len: int  # columns per segment, a multiple of block_v
-    slots: int  # partial slots per row: num_tiles * segments_per_tile, padded to a power of two
+    slots: int  # partial slots per row: segments_per_tile padded to a power of two (tiles merge into them)
     partials: torch.Tensor  # [_PARTIALS, rows, slots] fp32; z_y at slot 0 only
     best_index: torch.Tensor  # [rows, slots] int32
 
 
-def ce_workspace(rows: int, tile_cols: int, device: torch.device, *, num_tiles: int = 1) -> CEWorkspace:
-    """Segment plan and scratch for chunks of up to ``rows`` rows, in ``num_tiles`` tiles of ``tile_cols``."""
+def ce_workspace(rows: int, tile_cols: int, device: torch.device) -> CEWorkspace:
+    """Segment plan and scratch for chunks of up to ``rows`` rows, in tiles of up to ``tile_cols`` columns."""
     block_v = min(triton.next_power_of_2(tile_cols), MAX_BLOCK_V)
     blocks = triton.cdiv(tile_cols, block_v)
     # Each segment keeps >= 2 blocks so its loop still pipelines loads.
     wanted = triton.next_power_of_2(triton.cdiv(TARGET_PROGRAMS, rows))
     segments = max(1, min(wanted, 1 << ((blocks // 2).bit_length() - 1) if blocks >= 2 else 1))
     segment_len = triton.cdiv(blocks, segments) * block_v
-    slots = triton.next_power_of_2(num_tiles * segments)
+    slots = triton.next_power_of_2(segments)
     partials = torch.empty((_PARTIALS, rows, slots), dtype=torch.float32, device=device)
     # Padding slots are never written: make them neutral for the merge (exp(-inf) = 0, sums 0).
     partials[0].fill_(-float("inf"))
@@ -102,7 +102,6 @@ def _ce_partial_kernel(
     plane,
     n_cols,
     col_offset,
-    slot_offset,
     segment_len,
     ignore_index,
     softcap,
@@ -112,6 +111,7 @@ def _ce_partial_kernel(
     TRACK_ARGMAX: tl.constexpr,
     NUM_SLOTS: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    MERGE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     segment = tl.program_id(1)
@@ -152,7 +152,25 @@ def _ce_partial_kernel(
             m_new = tl.maximum(m, block_max)
             d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
             m = m_new
-        slot = row * NUM_SLOTS + slot_offset + segment
+        slot = row * NUM_SLOTS + segment
+        if MERGE:
+            # Fold in the same segment of the earlier tiles (lower columns); an empty side has
+            # m = -inf and d = 0, and must not turn into exp(-inf - -inf) = nan.
+            m_old = tl.load(partials_ptr + slot)
+            d_old = tl.load(partials_ptr + plane + slot)
+            m_new = tl.maximum(m_old, m)
+            m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)
+            d = d_old * tl.exp(m_old - m_ref) + d * tl.exp(m - m_ref)
+            m = m_new
+            sum_wz += tl.load(partials_ptr + 2 * plane + slot)
+            sum_w += tl.load(partials_ptr + 3 * plane + slot)
+            if TRACK_ARGMAX:
+                best_old = tl.load(partials_ptr + 4 * plane + slot)
+                best_idx_old = tl.load(best_index_ptr + slot)
+                # the earlier tiles hold lower columns: they keep a tie, as torch.argmax does
+                take_old = best_old >= best
+                best_idx = tl.where(take_old, best_idx_old, best_idx)
+                best = tl.where(take_old, best_old, best)
         if (local_target >= col_start) & (local_target < col_stop):
             # Read the target logit now: the finish kernel overwrites the slab with gradients,
             # and another segment's program may get there before the row's loss is written.
@@ -248,8 +266,9 @@ def _ce_finish_kernel(
                 tl.store(z_loss_ptr + row, z_loss_scale * lse * lse)
             if TRACK_ARGMAX:
                 best_s = tl.load(partials_ptr + 4 * plane + slots)
-                first = tl.argmax(best_s, axis=0)  # earliest slot (= lowest columns) holding the maximum
-                idx = tl.sum(tl.where(tl.arange(0, NUM_SLOTS) == first, tl.load(best_index_ptr + slots), 0))
+                # the lowest column among the slots holding the maximum, as torch.argmax picks
+                best_i = tl.load(best_index_ptr + slots)
+                idx = tl.min(tl.where(best_s == tl.max(best_s, axis=0), best_i, vocab), axis=0)
                 tl.store(correct_ptr + row, (idx == target).to(tl.float32))
 
         if WRITE_GRAD:
@@ -300,13 +319,16 @@ def ce_partial(
     *,
     ignore_index: int,
     col_offset: int = 0,
-    tile_index: int = 0,
+    first_tile: bool = True,
     label_smoothing: float = 0.0,
     softcap: float | None = None,
     class_weight: torch.Tensor | None = None,
     track_argmax: bool = False,
 ) -> None:
-    """Pass 1 over one tile: ``logits [n, tile]`` holds columns ``col_offset ...`` of every row."""
+    """Pass 1 over one tile: ``logits [n, tile]`` holds columns ``col_offset ...`` of every row.
+
+    The first tile of a row chunk writes the rows' partials; every later tile merges into them.
+    """
     n_rows, n_cols = logits.shape
     ws = workspace
     flags = _flags(ws, class_weight, label_smoothing, softcap, True if track_argmax else None)
@@ -320,10 +342,10 @@ def ce_partial(
         ws.partials.stride(0),
         n_cols,
         col_offset,
-        tile_index * ws.segments_per_tile,
         ws.segment_len,
         ignore_index,
         softcap if softcap is not None else 1.0,
+        MERGE=not first_tile,
         **flags,
     )
 

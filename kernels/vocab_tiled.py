@@ -74,7 +74,7 @@ class _TiledRun:
         self.tiles = [(start, min(start + width, vocab)) for start in range(0, vocab, width)]
         self.slab = torch.empty(geometry.chunk_size * width, dtype=x.dtype, device=x.device)
         self.slab_bytes = self.slab.numel() * self.slab.element_size()
-        self.workspace = ce_workspace(geometry.chunk_size, width, x.device, num_tiles=len(self.tiles))
+        self.workspace = ce_workspace(geometry.chunk_size, width, x.device)
         self.layout = accumulator_layout(
             geometry, input_grad=outputs.grad_input is not None, weight_grad=outputs.grad_weight is not None
         )
@@ -110,7 +110,7 @@ class _TiledRun:
                 target_chunk,
                 self.workspace,
                 col_offset=start,
-                tile_index=tile_index,
+                first_tile=tile_index == 0,
                 track_argmax=self.outputs.correct_rows is not None,
                 **self.shared,
             )

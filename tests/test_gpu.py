@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from gpu_reference import make_inputs, reference_loss_and_grads, rel_l2
+from gpu_reference import chunked_fp32_reference, make_inputs, reference_loss_and_grads, rel_l2
 
 pytestmark = [
     pytest.mark.gpu,
@@ -181,3 +181,61 @@ def test_options_on_gpu_match_reference():
     assert rel_l2(loss, ref) < 1e-5
     for got, want in zip(grads, ref_grads, strict=True):
         assert rel_l2(got, want) < 1e-4
+
+
+def _ours_measured(x, w, y, policy, **kw):
+    """Our fwd+bwd with its peak over the inputs (the leaves allocated before the count starts)."""
+    from flce_policy import fused_linear_cross_entropy
+
+    xr = x.detach().clone().requires_grad_()
+    wr = w.detach().clone().requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    loss = fused_linear_cross_entropy(xr, wr, y, policy=policy, **kw)
+    loss.backward()
+    torch.cuda.synchronize()
+    return (loss.detach(), xr.grad, wr.grad), torch.cuda.max_memory_allocated() - before
+
+
+def test_vocab_tiled_at_32k_is_fp32_accurate_in_the_memory_of_bf16_gradients():
+    """32768x5376x262144 bf16: the lean Fastest pick (256 MiB slab, fp32-accurate, peak limit) and
+    4096-column tiles (7 late tiles computed again) against the chunked fp32 reference and eager."""
+    from flce_policy import DeviceInfo, Geometry, Problem
+    from flce_policy.benchmarks.methods import LEAN_PEAK
+    from flce_policy.memory import predict_peak
+    from flce_policy.strategies import Fastest
+
+    shape = (32768, 5376, 262144)
+    problem = Problem(*shape)
+    x, w, y = make_inputs(*shape, torch.bfloat16)
+    reference = chunked_fp32_reference(x, w, y)
+    eager = _errors("eager_bf16", reference_loss_and_grads(x, w, y, compute_dtype=torch.bfloat16), reference)
+    torch.cuda.empty_cache()
+    lean = Fastest(max_slab="256MiB", accum="fp32", max_peak=LEAN_PEAK).geometry(problem, DeviceInfo.synthetic("H200"))
+    runs = {"ours_fastest_lean": lean, "ours_vtile4096": Geometry.for_problem(problem, shape[0], vocab_chunk=4096)}
+    rows = [eager]
+    for name, geometry in runs.items():
+        result, peak = _ours_measured(x, w, y, geometry)
+        predicted = predict_peak(geometry).total_bytes
+        rows.append(
+            {
+                **_errors(name, result, reference),
+                "geometry": geometry.describe(),
+                "peak_bytes": peak,
+                "predicted_peak_bytes": predicted,
+            }
+        )
+        del result
+        torch.cuda.empty_cache()
+    try:
+        rows.append(_errors("liger_c1_fp32", _liger(x, w, y, accum_dtype=torch.float32), reference))
+    except pytest.skip.Exception:
+        pass
+    for row in rows:
+        _report({"test": "vocab_tiled_32k", "shape": shape, **row})
+    for row in rows[1 : 1 + len(runs)]:
+        assert row["loss_rel"] <= max(1.1 * eager["loss_rel"], 1e-5), row
+        assert row["grad_input_rel_l2"] <= 1.1 * eager["grad_input_rel_l2"], row
+        assert row["grad_weight_rel_l2"] <= 1.1 * eager["grad_weight_rel_l2"], row
+        assert abs(row["predicted_peak_bytes"] / row["peak_bytes"] - 1) < 0.03, row

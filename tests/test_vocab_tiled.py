@@ -198,3 +198,40 @@ def test_bf16_frozen_weight_keeps_the_tail_in_a_buffer():
     geometry, (gx,) = run_bf16(x, w, y, BT, 16, weight_grad=False)
     assert accumulator_layout(geometry, weight_grad=False).separate == BT - BT // 2
     assert worst_row_error(gx, rgx) <= 4 * worst_row_error(egx, rgx)
+
+
+@pytest.mark.parametrize(
+    "vocab, vocab_chunk, tied",
+    [
+        # segments of 8192: the last tile's second one is empty; ties in slots 1, 0 and 1 again
+        (40000, 16384, (9000, 17000, 25000)),
+        # 9 blocks of 4096 in 4 segments of 3: every tile's fourth segment is empty
+        (41864, 36864, (13000, 37000)),
+    ],
+    ids=["last-tile-empty-segment", "every-tile-empty-segment"],
+)
+def test_tiles_merge_into_segment_slots_with_empty_segments_and_ties(vocab, vocab_chunk, tied):
+    """Wide tiles over few rows: several segments per tile, later tiles merging into the slots.
+
+    An empty segment must not turn into nan, and an exact tie for the maximum between columns
+    in different tiles and segments goes to the lowest column, as torch.argmax does.
+    """
+    rows, hidden = 4, 8
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(rows, hidden, generator=gen, dtype=torch.float64)
+    w = torch.randn(vocab, hidden, generator=gen, dtype=torch.float64) * 0.01
+    x[:, 0] = 10.0
+    w[list(tied)] = torch.nn.functional.one_hot(torch.tensor(0), hidden).double() * 5.0  # logit 50 exactly
+    y = torch.tensor([tied[0], tied[0], tied[1], 123])
+    geometry = Geometry.for_problem(Problem(rows, hidden, vocab, torch.float32), rows, vocab_chunk=vocab_chunk)
+    leaves = [t.float().requires_grad_() for t in (x, w)]
+    out = fused_linear_cross_entropy(*leaves, y, policy=geometry, return_token_accuracy=True)
+    grads = torch.autograd.grad(out.loss, leaves)
+    ref_leaves = [t.clone().requires_grad_() for t in (x, w)]
+    logits = ref_leaves[0] @ ref_leaves[1].t()
+    ref_loss = F.cross_entropy(logits, y)
+    ref_grads = torch.autograd.grad(ref_loss, ref_leaves)
+    assert float(out.token_accuracy) == float((logits.argmax(-1) == y).double().mean()) == 0.5
+    assert rel(out.loss, ref_loss) < 1e-6
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert rel(got, want) < 1e-5
