@@ -11,6 +11,11 @@ slabs of fitting rows, the smallest at which every shape runs a measured, fittin
 whose worst shape is closest. The smallest, because memory a slab does not take is memory the
 rest of the training step keeps.
 
+The same measurements (and the three-GEMM floor) calibrate the cost model: the GEMM rate and
+HBM bandwidth that best explain them (:func:`flce_policy.cost_model.fit_rates`). With
+``--strategy fastest`` the rule is instead a ``fastest`` strategy carrying those rates, under the
+same limits (``max_slab``, and ``max_peak`` on the predicted peak).
+
 The file holds that rule for this GPU's family, the packaged default strategy as ``default``
 (other GPUs), the OOM settings, and the measurements as comments. It is loaded back before it is
 written, so it always passes ``FLCEPolicy.from_yaml`` and ``flce-policy validate``.
@@ -26,11 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from flce_policy.cost_model import DeviceRates, fit_rates, predict_seconds, rate_coefficients, rates_for
 from flce_policy.device import DeviceInfo
 from flce_policy.geometry import Geometry
 from flce_policy.policy import DeviceRule, FLCEPolicy
 from flce_policy.problem import Problem
-from flce_policy.strategies import SlabBudget, StrategyError
+from flce_policy.strategies import ChunkStrategy, Fastest, SlabBudget, StrategyError
 from flce_policy.units import exact_size, format_bytes, parse_bytes
 
 from .cli import (
@@ -56,6 +62,7 @@ __all__ = [
     "choose",
     "rule_match",
     "tuned_policy",
+    "calibrate",
     "render",
     "main",
 ]
@@ -203,10 +210,33 @@ def rule_match(device: DeviceInfo) -> str:
     return device.family if device.family not in ("unknown", "cpu") else device.name
 
 
-def tuned_policy(choice: Choice, device: DeviceInfo) -> FLCEPolicy:
-    """The packaged default strategy and OOM settings, plus one slab_budget rule for ``device`` at the chosen slab."""
+def calibrate(records: Iterable[Record], device: DeviceInfo, *, dtype: str = "bfloat16"):
+    """The device's cost-model rates fitted to the measured fixed-chunk rows of ours (each at its
+    own accumulation) and the floor, and the worst ``|predicted / measured - 1|`` with them;
+    ValueError when they cannot be fitted."""
+    samples, rows = [], []
+    for record in records:
+        if record.median_ms is None:
+            continue
+        if record.family == "floor":
+            tokens, hidden, vocab = record.shape
+            samples.append((6.0 * tokens * hidden * vocab, 0.0, record.median_ms / 1e3))
+        elif record.family == _OURS_FIXED and record.chunk_size:
+            geometry = Geometry.for_problem(Problem(*record.shape, dtype=dtype), record.chunk_size)
+            accum_dtype = "float32" if record.accum == "fp32" else None
+            samples.append((*rate_coefficients(geometry, accum_dtype=accum_dtype), record.median_ms / 1e3))
+            rows.append((geometry, accum_dtype, record.median_ms / 1e3))
+    rates = fit_rates(samples, rates_for(device))
+    errors = (abs(predict_seconds(g, rates, accum_dtype=a).seconds / t - 1) for g, a, t in rows)
+    worst = max(errors, default=0.0)
+    return rates, worst
+
+
+def tuned_policy(choice: Choice, device: DeviceInfo, strategy: ChunkStrategy | None = None) -> FLCEPolicy:
+    """The packaged default strategy and OOM settings, plus one rule for ``device``: ``strategy``,
+    or by default a slab_budget at the chosen slab."""
     packaged = FLCEPolicy.packaged()
-    rule = DeviceRule(rule_match(device), SlabBudget(exact_size(choice.max_slab)))
+    rule = DeviceRule(rule_match(device), strategy or SlabBudget(exact_size(choice.max_slab)))
     return FLCEPolicy(
         default=packaged.default_strategy,
         rules=[rule],
@@ -224,6 +254,7 @@ def render(
     device: DeviceInfo,
     about: Sequence[str] = (),
     dtype: str = "bfloat16",
+    strategy: ChunkStrategy | None = None,
 ) -> str:
     """The policy file: ``about`` and the measurements as comments, then :func:`tuned_policy` as YAML."""
     floors = {r.shape: r.median_ms for r in records if r.family == "floor" and r.median_ms}
@@ -251,8 +282,10 @@ def render(
         lines.append(
             f"chosen: max_slab {slab_text}; none is within {TOLERANCE:.0%} at every shape, it is closest ({worst:.3f}x)"
         )
+    if strategy is not None:
+        lines.append(f"written: {strategy!r} (the measured choice above is for comparison)")
     comments = "".join(f"# {line}".rstrip() + "\n" for line in lines)
-    return comments + tuned_policy(choice, device).to_yaml()
+    return comments + tuned_policy(choice, device, strategy).to_yaml()
 
 
 def _row_line(r: Record, choice: Choice, limits: Limits, dtype: str) -> str:
@@ -318,6 +351,13 @@ def build_parser(prog: str) -> Parser:
     parser.add_argument(
         "--warmup", type=int_at_least(0), default=DEFAULT_WARMUP, help=f"untimed calls first (default {DEFAULT_WARMUP})"
     )
+    parser.add_argument(
+        "--strategy",
+        choices=("slab_budget", "fastest"),
+        default="slab_budget",
+        help="the rule to write: slab_budget at the measured best slab (default), or fastest with the "
+        "cost model calibrated on these measurements",
+    )
     parser.add_argument("--out", required=True, metavar="FILE.yaml", help="the policy file to write")
     return parser
 
@@ -352,16 +392,50 @@ def run(args: argparse.Namespace) -> int:
     limits = Limits(args.max_peak, args.max_slab)
     records = _measure(list(args.shapes or DEFAULT_SHAPES), device, args)
     choice = choose(records, limits, device=device)
-    text = render(choice, records, limits, device=device, about=_about(args))
+    about = _about(args)
+    strategy = None
+    try:
+        rates, worst = calibrate(records, device)
+        about.append(
+            f"cost model calibrated here: GEMM {rates.matmul_flops / 1e12:.0f} TFLOP/s, HBM "
+            f"{rates.hbm_bytes_per_s / 1e12:.2f} TB/s (table: {_rates_text(rates_for(device))}); "
+            f"worst |model/measured - 1| {worst:.1%}"
+        )
+        if args.strategy == "fastest":
+            strategy = _fastest(rates, limits, args.accum)
+    except ValueError as err:
+        if args.strategy == "fastest":
+            raise UsageError(f"cannot calibrate the cost model for --strategy fastest: {err}") from None
+        about.append(f"cost model not calibrated: {err}")
+    text = render(choice, records, limits, device=device, about=about, strategy=strategy)
     FLCEPolicy.from_yaml_text(text, source=str(out))  # what is written must load; a failure here is a bug
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text, encoding="utf-8")
+    written = f"{strategy!r}" if strategy is not None else f"slab_budget max_slab {exact_size(choice.max_slab)}"
     print(
-        f"wrote {out}: match {rule_match(device)} -> slab_budget max_slab {exact_size(choice.max_slab)}; "
+        f"wrote {out}: match {rule_match(device)} -> {written}; "
         f"check it with `flce-policy validate {out}`, use it with FLCE_POLICY_CONFIG={out}",
         file=sys.stderr,
     )
     return 0
+
+
+def _rates_text(rates: DeviceRates) -> str:
+    return f"{rates.matmul_flops / 1e12:.0f} TFLOP/s, {rates.hbm_bytes_per_s / 1e12:.2f} TB/s"
+
+
+def _fastest(rates: DeviceRates, limits: Limits, accum: str) -> Fastest:
+    """Fastest under the tune limits (the slab defaults to the peak limit), with calibrated rates."""
+    max_slab = limits.max_slab if limits.max_slab is not None else limits.max_peak
+    return Fastest(
+        max_slab=exact_size(max_slab),
+        accum=accum,
+        max_peak=None if limits.max_peak is None else exact_size(limits.max_peak),
+        rates={
+            "matmul_flops": float(f"{rates.matmul_flops:.4g}"),
+            "hbm_bytes_per_s": float(f"{rates.hbm_bytes_per_s:.4g}"),
+        },
+    )
 
 
 def _measure(shapes: list[Shape], device: DeviceInfo, args: argparse.Namespace) -> list[Record]:

@@ -18,6 +18,7 @@ At 8192x5376x262144 this predicts 149 / 112 / 108 ms for 256 / 2048 / 8192-row c
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from flce_policy.accumulator import accumulator_layout
@@ -25,7 +26,7 @@ from flce_policy.device import DeviceInfo
 from flce_policy.geometry import Geometry
 from flce_policy.problem import DTYPE_ITEMSIZE
 
-__all__ = ["DeviceRates", "RATES", "rates_for", "predict_seconds", "TimeEstimate"]
+__all__ = ["DeviceRates", "RATES", "rates_for", "predict_seconds", "TimeEstimate", "rate_coefficients", "fit_rates"]
 
 
 class DeviceRates(NamedTuple):
@@ -93,3 +94,47 @@ def predict_seconds(geometry: Geometry, rates: DeviceRates, *, accum_dtype: str 
         * (2.0 * p.hidden / rates.matmul_flops + 2 * item / (hbm * rates.ce_efficiency)),
     }
     return TimeEstimate(sum(terms.values()), terms)
+
+
+def rate_coefficients(geometry: Geometry, *, accum_dtype: str | None = None) -> tuple[float, float]:
+    """``(flop, byte)``: the model's seconds are ``flop / matmul_flops + byte / hbm_bytes_per_s``.
+
+    Read off :func:`predict_seconds` itself (each rate set to 1 with the other infinite), so a
+    calibration fits exactly the model that predicts.
+    """
+    inf = float("inf")
+    flop = predict_seconds(geometry, DeviceRates(1.0, inf), accum_dtype=accum_dtype).seconds
+    byte = predict_seconds(geometry, DeviceRates(inf, 1.0), accum_dtype=accum_dtype).seconds
+    return flop, byte
+
+
+def fit_rates(samples: Iterable[tuple[float, float, float]], base: DeviceRates) -> DeviceRates:
+    """``base`` with the GEMM rate and HBM bandwidth that best explain measured times.
+
+    ``samples``: ``(flop, byte, seconds)`` per measurement (:func:`rate_coefficients`; a pure-GEMM
+    measurement has ``byte = 0``). Least squares on the relative error. ValueError when the
+    measurements cannot separate the two rates or a fitted rate is not positive.
+    """
+    # minimise sum((a*u + b*v) / t - 1)^2 over u = 1/flops, v = 1/bandwidth: 2x2 normal equations
+    saa = sab = sbb = sa = sb = 0.0
+    count = 0
+    for flop, byte, seconds in samples:
+        if seconds <= 0:
+            raise ValueError(f"a measured time must be positive, got {seconds} s")
+        a, b = flop / seconds, byte / seconds
+        saa, sab, sbb, sa, sb = saa + a * a, sab + a * b, sbb + b * b, sa + a, sb + b
+        count += 1
+    det = saa * sbb - sab * sab
+    if count < 2 or det <= 1e-12 * saa * sbb:
+        raise ValueError(
+            f"{count} measurement(s) do not separate the GEMM rate from the memory bandwidth: "
+            "measure shapes or chunk sizes whose memory traffic differs"
+        )
+    u = (sa * sbb - sb * sab) / det
+    v = (sb * saa - sa * sab) / det
+    if u <= 0 or v <= 0:
+        raise ValueError(
+            f"the measurements fit a non-positive rate (1/GEMM rate {u:.3g}, 1/bandwidth {v:.3g}): "
+            "the model does not describe them; keep the table's rates"
+        )
+    return base._replace(matmul_flops=1.0 / u, hbm_bytes_per_s=1.0 / v)

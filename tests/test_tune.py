@@ -274,3 +274,89 @@ def test_gpu_run_glue_with_a_stubbed_suite(tmp_path, capsys, monkeypatch):
     assert policy.rules[0].strategy == SlabBudget("1GiB")
     assert "8192x5376x262144 ours_chunk2048_bf16: 108.50 ms, peak 3.70 GiB, ok" in err  # the progress lines
     assert f"wrote {out}: match H200 -> slab_budget max_slab 1GiB" in err
+
+
+# --- calibrating the cost model -------------------------------------------------------------------
+
+
+def modelled_rows(shape, rates, chunks=(256, 512, 1024, 2048, 4096)):
+    """Rows timed by the cost model itself at ``rates`` (and the floor at the GEMM rate)."""
+    from flce_policy.cost_model import predict_seconds
+
+    tokens, hidden, vocab = shape
+    rows = [floor(shape, 6.0 * tokens * hidden * vocab / rates.matmul_flops * 1e3)]
+    for chunk in chunks:
+        geometry = tune.Geometry.for_problem(Problem(*shape), chunk)
+        rows.append(ours(shape, chunk, predict_seconds(geometry, rates).seconds * 1e3, 3.0))
+    return with_floor_ratios(rows)
+
+
+def test_calibration_recovers_the_rates_that_made_the_times():
+    from flce_policy.cost_model import DeviceRates
+
+    made = DeviceRates(4.1e14, 2.7e12)
+    rates, worst = tune.calibrate(modelled_rows(GEMMA, made) + modelled_rows(LONG, made), H200)
+    assert rates.matmul_flops == pytest.approx(4.1e14, rel=1e-9)
+    assert rates.hbm_bytes_per_s == pytest.approx(2.7e12, rel=1e-9)
+    assert worst < 1e-9
+
+
+def test_calibration_on_the_committed_h200_run_stays_near_the_table():
+    import json
+    from pathlib import Path
+
+    from flce_policy.cost_model import RATES
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks/results/2026-11-29-h200/bench.json"
+    records = [Record.from_dict(r) for r in json.loads(path.read_text())["records"]]
+    rates, worst = tune.calibrate(records, H200)
+    assert rates.matmul_flops / RATES["H200"].matmul_flops == pytest.approx(1.0, abs=0.05)
+    assert rates.hbm_bytes_per_s / RATES["H200"].hbm_bytes_per_s == pytest.approx(1.0, abs=0.10)
+    assert worst < 0.10
+
+
+@pytest.mark.parametrize(
+    "samples, fragment",
+    [
+        ([(1e15, 0.0, 1.5)], r"1 measurement\(s\) do not separate"),
+        ([(1e15, 0.0, 1.5), (2e15, 0.0, 3.0)], "do not separate"),  # GEMM-only: no bandwidth in them
+        ([(1e15, 1e12, 1.0), (1e15, 2e12, 0.5)], "non-positive rate"),  # more traffic, less time
+        ([(1e15, 1e12, 0.0), (1e15, 2e12, 0.5)], "must be positive"),
+    ],
+)
+def test_calibration_refuses_what_it_cannot_fit(samples, fragment):
+    from flce_policy.cost_model import RATES, fit_rates
+
+    with pytest.raises(ValueError, match=fragment):
+        fit_rates(samples, RATES["H200"])
+
+
+def test_tune_writes_fastest_with_the_calibrated_rates(tmp_path, capsys, monkeypatch):
+    from flce_policy import probe
+    from flce_policy.benchmarks import suite
+    from flce_policy.cost_model import DeviceRates
+    from flce_policy.strategies import Fastest
+
+    made = DeviceRates(5.0e14, 3.5e12)
+
+    def fake_run_suite(shapes, methods, *, logit_std, warmup, repeats, predict_peak, on_start, on_record):
+        (shape,) = shapes
+        by_chunk = {r.chunk_size: r for r in modelled_rows(shape, made, chunks=(256, 512, 1024, 2048, 4096, 8192))}
+        records = []
+        for method in methods:
+            chunk, _ = predict_peak(method, shape)
+            records.append(floor(shape, by_chunk[None].median_ms) if method.name == "gemm_floor" else by_chunk[chunk])
+        return with_floor_ratios(records)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(probe, "probe_device", lambda index=None: H200)
+    monkeypatch.setattr(suite, "run_suite", fake_run_suite)
+    out = tmp_path / "h200.yaml"
+    argv = ["tune", "--shapes", "8192x5376x262144", "--max-slab", "512MiB", "--accum", "bf16"]
+    code = main([*argv, "--strategy", "fastest", "--out", str(out)])
+    _, err = capsys.readouterr()
+    assert code == 0, err
+    strategy = FLCEPolicy.from_yaml(out).rules[0].strategy
+    assert isinstance(strategy, Fastest) and strategy.max_slab == "512MiB" and strategy.accum == "bf16"
+    assert strategy.rates == {"matmul_flops": 5e14, "hbm_bytes_per_s": 3.5e12}
+    assert "cost model calibrated here: GEMM 500 TFLOP/s, HBM 3.50 TB/s" in out.read_text()
