@@ -12,8 +12,10 @@ Terms (seconds), each traced to measurements on the H200 (benchmarks/notes/READM
 - the CE kernels: two reads and one write of all logits at ``ce_efficiency`` of HBM;
 - late vocab tiles (flce_policy.accumulator) computed a third time: their logits GEMM and a
   read and a write of their logits.
-At 8192x5376x262144 this predicts 149 / 112 / 108 ms for 256 / 2048 / 8192-row chunks and
-146 ms for 8192-column vocab tiles, against 151 / 112 / 108 and 148 ms measured.
+At 8192x5376x262144 this predicts 140 / 106 / 102 ms for 256 / 2048 / 8192-row chunks and
+137 ms for 8192-column vocab tiles, against 146 / 107 / 104 and 143 ms measured on the H200
+(benchmarks/results/2026-11-29-h200-vocab-tiled); tests/test_fastest.py holds every measured row
+of that run within 12%.
 """
 
 from __future__ import annotations
@@ -38,21 +40,30 @@ class DeviceRates(NamedTuple):
     fp32_rmw_efficiency: float = 0.8  # cuBLAS bf16 x bf16 -> fp32 accumulate, beta=1
 
 
-#: H200: MEASURED (floor 6*8192*5376*262144 FLOP in 104.6 ms; 4.3 TB/s device copy). The rest are
-#: DERIVED from the H200 by datasheet ratios (dense bf16, HBM bandwidth); override per policy.
+#: H200: CALIBRATED by :func:`fit_rates` on the fixed-chunk rows and floors of
+#: benchmarks/results/2026-11-29-h200-vocab-tiled (``flce-policy tune`` does the same on any GPU).
+#: The rest are DERIVED from the H200 by datasheet ratios (dense bf16 TFLOP/s, HBM TB/s against
+#: the H200's 989 and 4.8); override per policy (Fastest ``rates``) or calibrate with ``tune``.
+_H200_FLOPS, _H200_BYTES = 7.03e14, 4.57e12
+
+
+def _derived(dense_tflops: float, hbm_tbs: float) -> DeviceRates:
+    return DeviceRates(_H200_FLOPS * dense_tflops / 989, _H200_BYTES * hbm_tbs / 4.8)
+
+
 RATES: dict[str, DeviceRates] = {
-    "H200": DeviceRates(6.6e14, 4.3e12),
-    "H100": DeviceRates(6.6e14, 4.3e12 * 3.35 / 4.8),
-    "H800": DeviceRates(6.6e14, 4.3e12 * 3.35 / 4.8),
-    "GH200": DeviceRates(6.6e14, 4.3e12),
-    "H20": DeviceRates(6.6e14 * 148 / 989, 4.3e12),
-    "B200": DeviceRates(6.6e14 * 2250 / 989, 4.3e12 * 8.0 / 4.8),
-    "GB200": DeviceRates(6.6e14 * 2500 / 989, 4.3e12 * 8.0 / 4.8),
-    "B300": DeviceRates(6.6e14 * 2250 / 989, 4.3e12 * 8.0 / 4.8),
-    "GB300": DeviceRates(6.6e14 * 2500 / 989, 4.3e12 * 8.0 / 4.8),
-    "A100": DeviceRates(6.6e14 * 312 / 989, 4.3e12 * 2.04 / 4.8),
-    "A800": DeviceRates(6.6e14 * 312 / 989, 4.3e12 * 2.04 / 4.8),
-    "L40S": DeviceRates(6.6e14 * 362 / 989, 4.3e12 * 0.864 / 4.8),
+    "H200": DeviceRates(_H200_FLOPS, _H200_BYTES),
+    "H100": _derived(989, 3.35),
+    "H800": _derived(989, 3.35),
+    "GH200": _derived(989, 4.8),
+    "H20": _derived(148, 4.0),
+    "B200": _derived(2250, 8.0),
+    "GB200": _derived(2500, 8.0),
+    "B300": _derived(2250, 8.0),
+    "GB300": _derived(2500, 8.0),
+    "A100": _derived(312, 2.04),
+    "A800": _derived(312, 2.04),
+    "L40S": _derived(362, 0.864),
 }
 
 

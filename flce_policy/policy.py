@@ -346,7 +346,7 @@ class FLCEPolicy:
             ("W grad", _accumulation_note(d["weight_grad_low_precision_steps"])),
             ("On OOM", oom),
         ]
-        return "\n".join(f"{label + ':':<12}{value}" for label, value in lines)
+        return "\n".join(f"{label + ':':<13}{value}" for label, value in lines)
 
     # --- content equality ------------------------------------------------------------------------
 

@@ -30,7 +30,8 @@ class Fastest(ChunkStrategy):
     accumulation the loss runs with: "bf16" (``accum_dtype=None``) or "fp32"
     (``accum_dtype=torch.float32``, fp32-accurate weight gradients); under "fp32", one row chunk
     of vocab tiles needs no fp32 buffer, which the model accounts for. ``rates`` overrides the
-    family table: ``{matmul_flops: 6.6e14, hbm_bytes_per_s: 4.3e12}``. Ties go to the smaller slab.
+    family table (flce_policy.cost_model.RATES; ``flce-policy tune --strategy fastest`` fits them):
+    ``{matmul_flops: 7.0e14, hbm_bytes_per_s: 4.6e12}``. Ties go to the smaller slab.
     """
 
     name = "fastest"

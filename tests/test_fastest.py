@@ -16,7 +16,7 @@ from flce_policy import DeviceInfo, Geometry, Problem
 from flce_policy.cost_model import RATES, DeviceRates, predict_seconds
 from flce_policy.strategies import Fastest, StrategyError, strategy_from_config
 
-MEASURED = Path(__file__).resolve().parents[1] / "benchmarks/results/2026-11-29-h200/bench.json"
+MEASURED = Path(__file__).resolve().parents[1] / "benchmarks/results/2026-11-29-h200-vocab-tiled/bench.json"
 H200 = DeviceInfo.synthetic("H200")
 GIB, MIB = 2**30, 2**20
 
@@ -29,15 +29,14 @@ def measured_rows():
         if not name.startswith("ours_") or name.startswith("ours_default") or record["median_ms"] is None:
             continue
         problem = Problem(*record["shape"])
-        vocab_chunk = int(name.split("vtile")[1].split("_")[0]) if "vtile" in name else None
-        geometry = Geometry.for_problem(problem, record["chunk_size"], vocab_chunk=vocab_chunk)
+        geometry = Geometry.for_problem(problem, record["chunk_size"], vocab_chunk=record["vocab_chunk"])
         rows.append((geometry, "float32" if record["accum"] == "fp32" else None, record["median_ms"]))
     return rows
 
 
 def test_model_describes_every_measured_row_within_12_percent():
     rows = measured_rows()
-    assert len(rows) == 45  # 3 shapes x (2 x 6 row-only + 3 vocab-tiled)
+    assert len(rows) == 69  # 3 shapes x (2 x 6 row-only + 4 vocab-tiled + 7 Fastest picks)
     for geometry, accum, measured_ms in rows:
         predicted_ms = predict_seconds(geometry, RATES["H200"], accum_dtype=accum).seconds * 1e3
         assert abs(predicted_ms / measured_ms - 1) <= 0.12, (geometry.describe(), accum, measured_ms, predicted_ms)
@@ -122,5 +121,13 @@ def test_fp32_accuracy_at_the_memory_of_the_bf16_gradients():
     assert geometry.num_chunks == 1 and not geometry.is_row_only
 
 
-def test_rates_table_has_the_measured_h200():
-    assert RATES["H200"] == DeviceRates(6.6e14, 4.3e12)
+def test_rates_table_has_the_h200_calibrated_on_the_committed_run():
+    from flce_policy.benchmarks.suite import Record
+    from flce_policy.benchmarks.tune import calibrate
+
+    records = [Record.from_dict(r) for r in json.loads(MEASURED.read_text())["records"]]
+    fitted, _ = calibrate(records, H200)
+    table = RATES["H200"]
+    assert fitted.matmul_flops == pytest.approx(table.matmul_flops, rel=0.005)
+    assert fitted.hbm_bytes_per_s == pytest.approx(table.hbm_bytes_per_s, rel=0.005)
+    assert RATES["H100"] == DeviceRates(table.matmul_flops, table.hbm_bytes_per_s * 3.35 / 4.8)
