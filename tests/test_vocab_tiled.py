@@ -235,3 +235,25 @@ def test_tiles_merge_into_segment_slots_with_empty_segments_and_ties(vocab, voca
     assert rel(out.loss, ref_loss) < 1e-6
     for got, want in zip(grads, ref_grads, strict=True):
         assert rel(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_bf16_borrowed_accumulator_with_every_option(reduction):
+    """The borrowing layout (3 late tiles) with bias, class weights, smoothing, softcap and z-loss in bf16."""
+    x, w, b, y, cw = make_inputs(10)
+    x, w, b = (t.to(torch.bfloat16).double() for t in (x, w, b))  # the reference sees the rounded inputs
+    options = dict(reduction=reduction, label_smoothing=0.1, softcap=8.0, z_loss_scale=1e-3)
+    geometry = Geometry.for_problem(Problem(BT, H, V, torch.bfloat16), BT, vocab_chunk=16)
+    assert accumulator_layout(geometry).late_tiles == 3
+    grad_output = torch.randn(BT, dtype=torch.float64) if reduction == "none" else torch.tensor(1.0).double()
+    leaves = [t.to(torch.bfloat16).requires_grad_() for t in (x, w, b)]
+    out = fused_linear_cross_entropy(*leaves[:2], y, leaves[2], policy=geometry, class_weight=cw.float(), **options)
+    grads = torch.autograd.grad(out, leaves, grad_output.float())
+    ref_leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    ref_loss, _ = reference(*ref_leaves, y, cw=cw, **options)
+    ref_grads = torch.autograd.grad(ref_loss, ref_leaves, grad_output)
+    assert rel(out, ref_loss) < 1e-2
+    # bf16 logits and gradients: about 2**-8 relative per row; a misplaced row or tile is O(1)
+    for got, want in zip(grads[:2], ref_grads[:2], strict=True):
+        assert worst_row_error(got, want) < 0.03
+    assert rel(grads[2], ref_grads[2]) < 0.03  # grad_bias: sums over rows, many near zero
