@@ -206,11 +206,11 @@ def test_explain_names_device_rule_strategy_and_geometry():
         "512 rows",
         "16 chunks",
         "256.00 MiB",
-        "On OOM:     on: retried at half the rows down to 64",
+        "On OOM:      on: retried at half the rows down to 64",
     ):
         assert fragment in text, fragment
     off = FLCEPolicy(rules=[DeviceRule("H100", SlabBudget("256MiB"))], oom_fallback=False).explain(GEMMA, H100)
-    assert "On OOM:     off: an out-of-memory error on the slab propagates" in off
+    assert "On OOM:      off: an out-of-memory error on the slab propagates" in off
 
 
 def test_explain_dict_has_the_numbers():
