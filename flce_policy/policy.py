@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import yaml
 
 from flce_policy.config import CONFIG_VERSION, ConfigError, load_yaml_file, load_yaml_text, parse_config
-from flce_policy.cost_model import predict_seconds, rates_for
+from flce_policy.cost_model import predict_seconds
 from flce_policy.device import DeviceInfo
 from flce_policy.geometry import Geometry
 from flce_policy.memory import predict_peak
@@ -284,10 +284,13 @@ class FLCEPolicy:
             device = self._probe()
         geometry = self.resolve(problem, device)
         _, strategy = self.resolve_rule(device)
-        peak = predict_peak(geometry)
-        predicted = predict_seconds(geometry, rates_for(device))
-        # Low-precision roundings of the running grad_weight (bf16 accumulation): one per row chunk.
-        weight_grad_steps = geometry.num_chunks
+        accum_dtype = strategy.planned_accum_dtype()
+        peak = predict_peak(geometry, accum_dtype=accum_dtype)
+        rates = strategy.planned_rates(device)
+        predicted = predict_seconds(geometry, rates, accum_dtype=accum_dtype)
+        # Low-precision roundings of the running grad_weight: one per row chunk, or one cast of an
+        # fp32 accumulator.
+        weight_grad_steps = 1 if accum_dtype == "float32" else geometry.num_chunks
         return {
             "device": {**device.model_dump(mode="json"), "description": device.describe()},
             "problem": problem.model_dump(mode="json"),
@@ -305,6 +308,8 @@ class FLCEPolicy:
             "predicted_peak_bytes": peak.total_bytes,
             "predicted_peak": peak.describe(),
             "predicted_ms": round(predicted.seconds * 1e3, 3),
+            "accum_dtype": accum_dtype,
+            "rates": {"matmul_flops": rates.matmul_flops, "hbm_bytes_per_s": rates.hbm_bytes_per_s},
             "weight_grad_low_precision_steps": weight_grad_steps,
             "summary": geometry.describe(),
             "dynamic": strategy.dynamic,
@@ -322,6 +327,8 @@ class FLCEPolicy:
             if d["oom_fallback"]
             else "off: an out-of-memory error on the slab propagates"
         )
+        rates_text = f"{d['rates']['matmul_flops'] / 1e12:.0f} TFLOP/s, {d['rates']['hbm_bytes_per_s'] / 1e12:.2f} TB/s"
+        accum = "" if d["accum_dtype"] is None else f" and accum_dtype=torch.{d['accum_dtype']} (as the strategy plans)"
         lines = [
             ("Device", d["device"]["description"]),
             ("Problem", problem.describe()),
@@ -341,8 +348,8 @@ class FLCEPolicy:
                 else []
             ),
             ("Slab", f"{d['slab']} per chunk = {d['chunk_size']} x {d['vocab_chunk']} x {problem.itemsize} bytes"),
-            ("Peak", f"{d['predicted_peak']}, predicted for fwd+bwd with x and W needing grad"),
-            ("Time", f"{d['predicted_ms']:.1f} ms predicted for fwd+bwd (cost model, {d['device']['family']} rates)"),
+            ("Peak", f"{d['predicted_peak']}, predicted for fwd+bwd with x and W needing grad{accum}"),
+            ("Time", f"{d['predicted_ms']:.1f} ms predicted for fwd+bwd (cost model at {rates_text})"),
             ("W grad", _accumulation_note(d["weight_grad_low_precision_steps"])),
             ("On OOM", oom),
         ]

@@ -6,6 +6,7 @@ import inspect
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
+from flce_policy.cost_model import DeviceRates, rates_for
 from flce_policy.device import DeviceInfo
 from flce_policy.geometry import Geometry
 from flce_policy.problem import Problem
@@ -44,6 +45,17 @@ class ChunkStrategy(ABC):
 
     def validate_params(self) -> None:  # noqa: B027 - optional hook, not abstract
         """Raise :class:`StrategyError` if a parameter is invalid. Called before any geometry."""
+
+    def planned_accum_dtype(self) -> str | None:
+        """The grad_weight accumulator the strategy planned for ("float32"); None = the weight dtype.
+
+        What ``explain`` predicts peak and time with; the loss still takes ``accum_dtype`` itself.
+        """
+        return None
+
+    def planned_rates(self, device: DeviceInfo) -> DeviceRates:
+        """The cost-model rates the strategy's decision assumes for ``device`` (the family table)."""
+        return rates_for(device)
 
     def geometry(self, problem: Problem, device: DeviceInfo, *, rule: str | None = None) -> Geometry:
         """The validated geometry this strategy gives for ``problem`` on ``device``."""

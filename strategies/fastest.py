@@ -81,7 +81,7 @@ class Fastest(ChunkStrategy):
                 geometry = Geometry.for_problem(problem, chunk, vocab_chunk=vocab_chunk, strategy=repr(self))
                 if (
                     peak_limit is None
-                    or predict_peak(geometry, accum_dtype=_ACCUMS[self.accum]).total_bytes <= peak_limit
+                    or predict_peak(geometry, accum_dtype=self.planned_accum_dtype()).total_bytes <= peak_limit
                 ):
                     out.append(geometry)
         if not out:
@@ -93,10 +93,15 @@ class Fastest(ChunkStrategy):
             )
         return out
 
+    def planned_accum_dtype(self) -> str | None:
+        return _ACCUMS[self.accum]
+
+    def planned_rates(self, device: DeviceInfo) -> DeviceRates:
+        return DeviceRates(**self.rates) if self.rates else rates_for(device)
+
     def rank(self, problem: Problem, device: DeviceInfo) -> list[tuple[float, Geometry]]:
         """(predicted seconds, geometry), fastest first."""
-        rates = DeviceRates(**self.rates) if self.rates else rates_for(device)
-        accum = _ACCUMS[self.accum]
+        rates, accum = self.planned_rates(device), self.planned_accum_dtype()
         scored = [(predict_seconds(g, rates, accum_dtype=accum).seconds, g) for g in self.candidates(problem)]
         return sorted(scored, key=lambda item: (item[0], item[1].slab_bytes))
 

@@ -131,3 +131,23 @@ def test_rates_table_has_the_h200_calibrated_on_the_committed_run():
     assert fitted.matmul_flops == pytest.approx(table.matmul_flops, rel=0.005)
     assert fitted.hbm_bytes_per_s == pytest.approx(table.hbm_bytes_per_s, rel=0.005)
     assert RATES["H100"] == DeviceRates(table.matmul_flops, table.hbm_bytes_per_s * 3.35 / 4.8)
+
+
+def test_explain_predicts_with_the_accumulation_and_rates_the_strategy_planned():
+    from flce_policy import FLCEPolicy
+    from flce_policy.memory import predict_peak
+    from flce_policy.policy import DeviceRule
+
+    problem = Problem(32768, 5376, 262144)
+    rates = {"matmul_flops": 5e14, "hbm_bytes_per_s": 3e12}
+    strategy = Fastest(max_slab="256MiB", accum="fp32", rates=rates)
+    d = FLCEPolicy(rules=[DeviceRule("H200", strategy)]).explain_dict(problem, H200)
+    geometry = strategy.geometry(problem, H200)
+    assert geometry.num_chunks > 1  # several row chunks: an fp32 [V, H] accumulator, then one cast
+    assert d["accum_dtype"] == "float32" and d["rates"] == rates
+    assert d["predicted_peak_bytes"] == predict_peak(geometry, accum_dtype="float32").total_bytes
+    assert d["predicted_peak_bytes"] > problem.vocab * problem.hidden * 4  # the fp32 buffer is counted
+    assert d["predicted_ms"] == pytest.approx(
+        predict_seconds(geometry, DeviceRates(**rates), accum_dtype="float32").seconds * 1e3, abs=1e-3
+    )
+    assert d["weight_grad_low_precision_steps"] == 1
