@@ -74,18 +74,8 @@ def build_parser(prog: str) -> Parser:
         metavar="PATTERN",
         help="fnmatch patterns on method names, e.g. 'ours_*' liger_c1_bf16 (default: all; gemm_floor always runs)",
     )
-    parser.add_argument(
-        "--logit-std",
-        type=positive_float,
-        metavar="STD",
-        help=f"std of x @ W.T in the inputs (default {DEFAULT_LOGIT_STD}, a realistic spread; 0.5 is near uniform)",
-    )
-    parser.add_argument(
-        "--repeats",
-        type=int_at_least(MIN_REPEATS),
-        help=f"timed calls per row, median taken (default {DEFAULT_REPEATS})",
-    )
-    parser.add_argument("--warmup", type=int_at_least(0), help=f"untimed calls first (default {DEFAULT_WARMUP})")
+    # No defaults here: --from-json refuses these when given, and the metadata fills them in.
+    add_measurement_options(parser, with_defaults=False)
     parser.add_argument("--out", metavar="DIR", help="output folder (default benchmarks/results/<date>-<gpu>)")
     parser.add_argument("--json", action="store_true", help="print the JSON document on stdout instead of the table")
     parser.add_argument(
@@ -94,6 +84,27 @@ def build_parser(prog: str) -> Parser:
         help="re-render table, CSV and plot from a saved bench.json (no GPU needed; --out defaults to its folder)",
     )
     return parser
+
+
+def add_measurement_options(parser: argparse.ArgumentParser, *, with_defaults: bool) -> None:
+    """--logit-std, --repeats and --warmup, shared by bench and tune (``None`` unless ``with_defaults``)."""
+    defaults = (DEFAULT_LOGIT_STD, DEFAULT_REPEATS, DEFAULT_WARMUP) if with_defaults else (None, None, None)
+    parser.add_argument(
+        "--logit-std",
+        type=positive_float,
+        default=defaults[0],
+        metavar="STD",
+        help=f"std of x @ W.T in the inputs (default {DEFAULT_LOGIT_STD}, a realistic spread; 0.5 is near uniform)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int_at_least(MIN_REPEATS),
+        default=defaults[1],
+        help=f"timed calls per row, median taken (default {DEFAULT_REPEATS})",
+    )
+    parser.add_argument(
+        "--warmup", type=int_at_least(0), default=defaults[2], help=f"untimed calls first (default {DEFAULT_WARMUP})"
+    )
 
 
 def shape_arg(text: str) -> tuple[int, int, int]:

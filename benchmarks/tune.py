@@ -40,14 +40,9 @@ from flce_policy.strategies import ChunkStrategy, Fastest, SlabBudget, StrategyE
 from flce_policy.units import exact_size, format_bytes, parse_bytes
 
 from .cli import (
-    DEFAULT_LOGIT_STD,
-    DEFAULT_REPEATS,
-    DEFAULT_WARMUP,
-    MIN_REPEATS,
     Parser,
     UsageError,
-    int_at_least,
-    positive_float,
+    add_measurement_options,
     run_command,
     shape_arg,
 )
@@ -335,22 +330,7 @@ def build_parser(prog: str) -> Parser:
     parser.add_argument(
         "--accum", choices=("bf16", "fp32"), default="bf16", help="grad_weight accumulation to measure (default bf16)"
     )
-    parser.add_argument(
-        "--logit-std",
-        type=positive_float,
-        default=DEFAULT_LOGIT_STD,
-        metavar="STD",
-        help=f"std of x @ W.T in the inputs (default {DEFAULT_LOGIT_STD})",
-    )
-    parser.add_argument(
-        "--repeats",
-        type=int_at_least(MIN_REPEATS),
-        default=DEFAULT_REPEATS,
-        help=f"timed calls per row (default {DEFAULT_REPEATS})",
-    )
-    parser.add_argument(
-        "--warmup", type=int_at_least(0), default=DEFAULT_WARMUP, help=f"untimed calls first (default {DEFAULT_WARMUP})"
-    )
+    add_measurement_options(parser, with_defaults=True)
     parser.add_argument(
         "--strategy",
         choices=("slab_budget", "fastest"),

@@ -24,6 +24,7 @@ __all__ = [
     "CEParams",
     "GradRequest",
     "DriverOutputs",
+    "DriverCall",
     "ChunkEvent",
     "run_geometry",
     "observe_chunks",
@@ -63,6 +64,21 @@ class DriverOutputs(NamedTuple):
     grad_input: torch.Tensor | None  # [BT, H], input dtype
     grad_weight: torch.Tensor | None  # [V, H], weight dtype
     grad_bias: torch.Tensor | None  # [V], bias dtype
+
+
+class DriverCall(NamedTuple):
+    """One call's inputs, as :func:`run_geometry` received them, for the loop of its geometry family."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    target: torch.Tensor
+    geometry: Geometry
+    params: CEParams
+    grads: GradRequest
+    class_weight: torch.Tensor | None
+    grad_scale: torch.Tensor | None
+    scale_per_row: bool
 
 
 class ChunkEvent(NamedTuple):
@@ -177,20 +193,8 @@ def run_geometry(
         grad_weight=torch.empty(weight.shape, dtype=accum_dtype, device=device) if grads.weight else None,
         grad_bias=torch.zeros(vocab, dtype=f32, device=device) if grads.bias else None,
     )
-    run = _run_rows if geometry.is_row_only else run_vocab_tiled
-    run(
-        x,
-        weight,
-        bias,
-        target,
-        geometry,
-        params,
-        grads,
-        outputs,
-        class_weight=class_weight,
-        grad_scale=grad_scale,
-        scale_per_row=scale_per_row,
-    )
+    call = DriverCall(x, weight, bias, target, geometry, params, grads, class_weight, grad_scale, scale_per_row)
+    (_run_rows if geometry.is_row_only else run_vocab_tiled)(call, outputs)
     # run() has returned, so its slab is freed before a cast allocates a second grad_weight.
     grad_weight, grad_bias = outputs.grad_weight, outputs.grad_bias
     if grad_weight is not None and grad_weight.dtype != weight.dtype:
@@ -200,21 +204,9 @@ def run_geometry(
     return outputs._replace(grad_weight=grad_weight, grad_bias=grad_bias)
 
 
-def _run_rows(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    target: torch.Tensor,
-    geometry: Geometry,
-    params: CEParams,
-    grads: GradRequest,
-    outputs: DriverOutputs,
-    *,
-    class_weight: torch.Tensor | None,
-    grad_scale: torch.Tensor | None,
-    scale_per_row: bool,
-) -> None:
+def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
     """The row-only loop: one [chunk_size, V] slab, three GEMMs per chunk."""
+    x, weight, bias, target, geometry, params, grads, class_weight, grad_scale, scale_per_row = call
     loss_rows, z_loss_rows, correct_rows, grad_input, grad_weight, grad_bias = outputs
     tokens, chunk_size = x.shape[0], geometry.chunk_size
     slab = torch.empty((chunk_size, geometry.vocab_chunk), dtype=x.dtype, device=x.device)

@@ -16,36 +16,23 @@ from typing import TYPE_CHECKING
 import torch
 
 from flce_policy.accumulator import accumulator_layout
-from flce_policy.geometry import Geometry
 
 from .ce_kernel import ce_finish, ce_partial, ce_workspace
 from .gemm import accumulate_mm
 from .input_accumulator import InputAccumulator
 
 if TYPE_CHECKING:
-    from .driver import CEParams, DriverOutputs, GradRequest
+    from .driver import DriverCall, DriverOutputs
 
 __all__ = ["run_vocab_tiled"]
 
 
-def run_vocab_tiled(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    target: torch.Tensor,
-    geometry: Geometry,
-    params: CEParams,
-    grads: GradRequest,
-    outputs: DriverOutputs,
-    *,
-    class_weight: torch.Tensor | None,
-    grad_scale: torch.Tensor | None,
-    scale_per_row: bool,
-) -> None:
+def run_vocab_tiled(call: DriverCall, outputs: DriverOutputs) -> None:
     """Fill ``outputs`` (the driver's buffers) for a vocab-tiled ``geometry``; see the module docstring."""
     from .driver import ChunkEvent, _fault_hooks, _observers, before_chunk, notify
 
-    run = _TiledRun(x, weight, bias, geometry, params, outputs, class_weight)
+    x, _, _, target, geometry, _, grads, _, grad_scale, scale_per_row = call
+    run = _TiledRun(call, outputs)
     chunk_size, tokens = geometry.chunk_size, x.shape[0]
     for index in range(geometry.num_chunks):
         if _fault_hooks:
@@ -68,8 +55,9 @@ def run_vocab_tiled(
 class _TiledRun:
     """The buffers shared by every row chunk of one call, and the two passes over a chunk's tiles."""
 
-    def __init__(self, x, weight, bias, geometry: Geometry, params: CEParams, outputs: DriverOutputs, class_weight):
-        self.weight, self.bias, self.outputs, self.params = weight, bias, outputs, params
+    def __init__(self, call: DriverCall, outputs: DriverOutputs) -> None:
+        x, geometry, params, class_weight = call.x, call.geometry, call.params, call.class_weight
+        self.weight, self.bias, self.outputs, self.params = call.weight, call.bias, outputs, call.params
         vocab, width = geometry.problem.vocab, geometry.vocab_chunk
         self.tiles = [(start, min(start + width, vocab)) for start in range(0, vocab, width)]
         self.slab = torch.empty(geometry.chunk_size * width, dtype=x.dtype, device=x.device)
