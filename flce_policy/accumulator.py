@@ -65,7 +65,7 @@ def accumulator_layout(geometry: Geometry, *, input_grad: bool = True, weight_gr
     head = rows // 2
     tail = rows - head
     borrowed = tail * _FP32 // p.itemsize
-    if geometry.num_chunks == 1 and weight_grad and borrowed < p.vocab:
+    if geometry.writes_weight_grad_once and weight_grad and borrowed < p.vocab:
         late_tiles = geometry.num_vocab_chunks - (p.vocab - borrowed) // geometry.vocab_chunk
         if (late_tiles - 1) * geometry.vocab_chunk <= _MAX_RECOMPUTED_FRACTION * p.vocab:
             return AccumulatorLayout(head, 0, tail, borrowed, late_tiles)

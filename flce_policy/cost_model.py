@@ -26,7 +26,6 @@ from typing import NamedTuple
 from flce_policy.accumulator import accumulator_layout
 from flce_policy.device import DeviceInfo
 from flce_policy.geometry import Geometry
-from flce_policy.problem import DTYPE_ITEMSIZE
 
 __all__ = ["DeviceRates", "RATES", "rates_for", "predict_seconds", "TimeEstimate", "rate_coefficients", "fit_rates"]
 
@@ -80,14 +79,13 @@ class TimeEstimate(NamedTuple):
 def predict_seconds(geometry: Geometry, rates: DeviceRates, *, accum_dtype: str | None = None) -> TimeEstimate:
     """Predicted fwd+bwd seconds of ``geometry`` (x and W needing grad) at ``rates``.
 
-    ``accum_dtype`` is the loss's grad_weight accumulator ("float32"; None = the logits dtype);
-    one row chunk of vocab tiles writes each slice once and needs none.
+    ``accum_dtype`` is the loss's grad_weight accumulator ("float32"; None = the geometry's planned
+    one); one row chunk writes each slice once and needs none (:meth:`Geometry.accum_itemsize`).
     """
     p = geometry.problem
     item = p.itemsize
     hbm = rates.hbm_bytes_per_s
-    writes_once = not geometry.is_row_only and geometry.num_chunks == 1
-    accum_item = item if writes_once or accum_dtype is None else DTYPE_ITEMSIZE[accum_dtype]
+    accum_item = geometry.accum_itemsize(accum_dtype)
     weight_elems = p.vocab * p.hidden
     gemms = 3 if geometry.is_row_only else 4
     recomputed_columns = min(accumulator_layout(geometry).recomputed_tiles * geometry.vocab_chunk, p.vocab)

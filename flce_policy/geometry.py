@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from flce_policy.problem import Problem
+from flce_policy.problem import DTYPE_ITEMSIZE, LogitsDType, Problem, normalise_dtype
 from flce_policy.units import cdiv, format_bytes
 
 __all__ = ["Geometry"]
@@ -17,6 +17,8 @@ class Geometry(BaseModel):
 
     A row-only geometry has ``vocab_chunk == problem.vocab`` (one vocab tile); the slab, the logits
     buffer one step holds, is ``[chunk_size, vocab_chunk]`` of the problem's dtype.
+    ``accum_dtype`` is the grad_weight accumulator the strategy planned (its peak and time assume
+    it): the loss accumulates in it, and a call asking for another accumulator is an error.
     Build one with :meth:`for_problem`; direct construction is validated the same way and an
     inconsistent field is an error, never silently corrected.
     """
@@ -29,6 +31,9 @@ class Geometry(BaseModel):
     vocab_chunk: int = Field(description="vocab columns per tile; equals vocab for row-only geometry")
     num_vocab_chunks: int = Field(description="cdiv(vocab, vocab_chunk)")
     slab_bytes: int = Field(description="bytes of one [chunk_size, vocab_chunk] logits slab")
+    accum_dtype: LogitsDType | None = Field(
+        default=None, description="grad_weight accumulator across row chunks; None = the problem's dtype"
+    )
     strategy: str = Field(default="manual", description="the strategy (with its parameters) that produced it")
     rule: str | None = Field(default=None, description="the policy rule that chose the strategy, if any")
 
@@ -39,6 +44,7 @@ class Geometry(BaseModel):
         chunk_size: int,
         *,
         vocab_chunk: int | None = None,
+        accum_dtype: str | None = None,
         strategy: str = "manual",
         rule: str | None = None,
     ) -> Geometry:
@@ -53,9 +59,15 @@ class Geometry(BaseModel):
             vocab_chunk=vocab_chunk,
             num_vocab_chunks=cdiv(problem.vocab, vocab_chunk),
             slab_bytes=chunk_size * vocab_chunk * problem.itemsize,
+            accum_dtype=accum_dtype,
             strategy=strategy,
             rule=rule,
         )
+
+    @field_validator("accum_dtype", mode="before")
+    @classmethod
+    def _normalise_accum_dtype(cls, value: Any) -> Any:
+        return normalise_dtype(value)
 
     @model_validator(mode="after")
     def _consistent(self) -> Geometry:
@@ -82,6 +94,25 @@ class Geometry(BaseModel):
         return self.vocab_chunk == self.problem.vocab
 
     @property
+    def writes_weight_grad_once(self) -> bool:
+        """True when each grad_weight element is written by one GEMM (one row chunk), never added to.
+
+        The GEMM accumulates in fp32 internally, so a wider accumulator would add nothing.
+        """
+        return self.num_chunks == 1
+
+    def accum_itemsize(self, accum_dtype: str | None = None) -> int:
+        """Bytes per element of the grad_weight buffer the driver allocates.
+
+        ``accum_dtype`` overrides the planned one (None: :attr:`accum_dtype`, itself None = the
+        problem's dtype); a geometry that writes grad_weight once needs no wider buffer.
+        """
+        accum_dtype = accum_dtype or self.accum_dtype
+        if accum_dtype is None or self.writes_weight_grad_once:
+            return self.problem.itemsize
+        return DTYPE_ITEMSIZE[normalise_dtype(accum_dtype)]
+
+    @property
     def last_chunk_size(self) -> int:
         """Rows in the final (possibly shorter) chunk."""
         return self.problem.tokens - (self.num_chunks - 1) * self.chunk_size
@@ -97,9 +128,10 @@ class Geometry(BaseModel):
 
     def describe(self) -> str:
         tiles = "" if self.is_row_only else f" x {self.num_vocab_chunks} vocab tiles of {self.vocab_chunk}"
+        accum = "" if self.accum_dtype is None else f", grad_weight accumulated in {self.accum_dtype}"
         return (
             f"{self.num_chunks} chunks of {self.chunk_size} rows{tiles}, "
-            f"slab {format_bytes(self.slab_bytes)} ({self.strategy})"
+            f"slab {format_bytes(self.slab_bytes)}{accum} ({self.strategy})"
         )
 
 

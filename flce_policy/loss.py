@@ -69,7 +69,9 @@ def fused_linear_cross_entropy(
         z_loss_scale: adds ``z_loss_scale * logsumexp(logits)**2`` per non-ignored token, averaged
             over the non-ignored tokens for ``mean`` (not class-weighted).
         class_weight: ``[V]`` per-class weights as ``F.cross_entropy``'s ``weight``.
-        accum_dtype: ``torch.float32`` accumulates grad_weight over chunks in fp32.
+        accum_dtype: ``torch.float32`` accumulates grad_weight over chunks in fp32. None: what the
+            geometry plans (``Fastest(accum="fp32")`` and ``FreeMemory(accum_dtype="float32")``
+            plan fp32), else the weight dtype. Asking for another than the planned one is an error.
 
     Differences from ``F.cross_entropy``: the loss is float32 whatever the input dtype; ``mean``
     over zero non-ignored tokens (all ignored, or empty input) is 0 with zero gradients, not NaN.
@@ -86,6 +88,8 @@ def fused_linear_cross_entropy(
     )
     x, target_flat, class_weight = _check_tensors(input, weight, target, bias, class_weight, options)
     geometry, fallback = _geometry_for(policy, x, weight) if x.shape[0] else (None, None)
+    if geometry is not None:
+        options = options.following(geometry)
 
     from flce_policy.autograd import FLCEFunction
 

@@ -41,16 +41,15 @@ def predict_peak(
 ) -> MemoryEstimate:
     """Peak transient bytes when the driver runs ``geometry`` (mean/sum reduction, training).
 
-    ``accum_dtype`` is the grad_weight accumulator ("float32", ...; None = the problem's dtype).
+    ``accum_dtype`` is the grad_weight accumulator ("float32", ...; None = the geometry's planned one,
+    :meth:`Geometry.accum_itemsize`).
     Two phases: the chunk loop holds the slab; after it, an accumulator of another dtype is cast
     to the weight dtype, so both copies live at once, but the slab is already freed. The peak
     is the larger phase, and ``terms`` are that phase's. Kernel scratch (row partials, a few
     bytes per row and tile) is left out: well under 1% of any slab.
     """
     p = geometry.problem
-    accum_itemsize = DTYPE_ITEMSIZE[accum_dtype] if accum_dtype else p.itemsize
-    if not geometry.is_row_only and geometry.num_chunks == 1:
-        accum_itemsize = p.itemsize  # each grad_weight slice is written once: no wider accumulator
+    accum_itemsize = geometry.accum_itemsize(accum_dtype)
     held = _held(p, input_grad=input_grad, weight_grad=weight_grad, bias=bias, accum_itemsize=accum_itemsize)
     loop = {"slab": geometry.slab_bytes, **held}
     layout = accumulator_layout(geometry, input_grad=input_grad, weight_grad=weight_grad)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from flce_policy.geometry import Geometry
 
 __all__ = ["LossOptions", "Reduction"]
 
@@ -42,6 +46,25 @@ class LossOptions:
             raise ValueError(
                 f"accum_dtype must be None, torch.float32, torch.bfloat16 or torch.float16; got {self.accum_dtype!r}"
             )
+
+    def following(self, geometry: Geometry) -> LossOptions:
+        """These options with the grad_weight accumulator ``geometry`` planned (none given here).
+
+        ValueError when the call asked for a different accumulator than the one planned: the
+        geometry's predicted peak and time assume the planned one.
+        """
+        if geometry.accum_dtype is None:
+            return self
+        planned = getattr(torch, geometry.accum_dtype)
+        if self.accum_dtype is None:
+            return dataclasses.replace(self, accum_dtype=planned)
+        if self.accum_dtype != planned:
+            raise ValueError(
+                f"accum_dtype={self.accum_dtype} conflicts with the geometry's planned grad_weight accumulator "
+                f"{planned} (from {geometry.strategy}): pass accum_dtype=None to follow the plan, or plan "
+                "another accumulator in the strategy"
+            )
+        return self
 
 
 def _is_real(value: object) -> bool:

@@ -284,10 +284,10 @@ class FLCEPolicy:
             device = self._probe()
         geometry = self.resolve(problem, device)
         _, strategy = self.resolve_rule(device)
-        accum_dtype = strategy.planned_accum_dtype()
-        peak = predict_peak(geometry, accum_dtype=accum_dtype)
+        accum_dtype = geometry.accum_dtype
+        peak = predict_peak(geometry)
         rates = strategy.planned_rates(device)
-        predicted = predict_seconds(geometry, rates, accum_dtype=accum_dtype)
+        predicted = predict_seconds(geometry, rates)
         # Low-precision roundings of the running grad_weight: one per row chunk, or one cast of an
         # fp32 accumulator.
         weight_grad_steps = 1 if accum_dtype == "float32" else geometry.num_chunks
@@ -328,7 +328,7 @@ class FLCEPolicy:
             else "off: an out-of-memory error on the slab propagates"
         )
         rates_text = f"{d['rates']['matmul_flops'] / 1e12:.0f} TFLOP/s, {d['rates']['hbm_bytes_per_s'] / 1e12:.2f} TB/s"
-        accum = "" if d["accum_dtype"] is None else f" and accum_dtype=torch.{d['accum_dtype']} (as the strategy plans)"
+        accum = "" if d["accum_dtype"] is None else f" and grad_weight accumulated in {d['accum_dtype']} (planned)"
         lines = [
             ("Device", d["device"]["description"]),
             ("Problem", problem.describe()),
@@ -384,5 +384,5 @@ def _accumulation_note(steps: int) -> str:
         return "each element rounded once (as eager PyTorch)"
     note = f"{steps} bf16 accumulation steps per element with accum_dtype=None"
     if steps > _MANY_ACCUMULATION_STEPS:
-        note += "; WARNING: many low-precision steps, consider accum_dtype=torch.float32 or vocab tiles (Fastest)"
+        note += "; WARNING: many low-precision steps, consider accum_dtype=torch.float32 or Fastest(accum='fp32')"
     return note

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Problem", "DTYPE_ITEMSIZE", "LogitsDType"]
+__all__ = ["Problem", "DTYPE_ITEMSIZE", "LogitsDType", "normalise_dtype"]
 
 LogitsDType = Literal["bfloat16", "float16", "float32"]
 
@@ -38,11 +38,7 @@ class Problem(BaseModel):
     @field_validator("dtype", mode="before")
     @classmethod
     def _normalise_dtype(cls, value: Any) -> Any:
-        if value.__class__.__name__ == "dtype" and str(value).startswith("torch."):
-            value = str(value).removeprefix("torch.")
-        if isinstance(value, str):
-            value = _DTYPE_ALIASES.get(value.lower(), value.lower())
-        return value
+        return normalise_dtype(value)
 
     @property
     def itemsize(self) -> int:
@@ -64,3 +60,12 @@ class Problem(BaseModel):
 
     def describe(self) -> str:
         return f"BT={self.tokens} H={self.hidden} V={self.vocab} {self.dtype}"
+
+
+def normalise_dtype(value: Any) -> Any:
+    """``torch.bfloat16``, "bf16", "BFloat16" -> "bfloat16" and so on; other values unchanged (for pydantic)."""
+    if value.__class__.__name__ == "dtype" and str(value).startswith("torch."):
+        value = str(value).removeprefix("torch.")
+    if isinstance(value, str):
+        value = _DTYPE_ALIASES.get(value.lower(), value.lower())
+    return value

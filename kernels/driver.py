@@ -181,10 +181,7 @@ def run_geometry(
     _check_geometry(geometry, x, weight)
     tokens, vocab = x.shape[0], weight.shape[0]
     device, f32 = x.device, torch.float32
-    # One row chunk of a vocab-tiled geometry writes each grad_weight slice once, already with
-    # fp32 accumulation inside the GEMM: a wider buffer would add nothing.
-    writes_once = not geometry.is_row_only and geometry.num_chunks == 1
-    accum_dtype = weight.dtype if writes_once else grads.accum_dtype or weight.dtype
+    accum_dtype = weight.dtype if geometry.writes_weight_grad_once else grads.accum_dtype or weight.dtype
     outputs = DriverOutputs(
         loss_rows=torch.empty(tokens, dtype=f32, device=device),
         z_loss_rows=torch.empty(tokens, dtype=f32, device=device) if params.z_loss_scale else None,

@@ -76,6 +76,7 @@ def _halved(original: Geometry, current: Geometry, floor: int) -> Geometry | Non
         current.problem,
         max(current.chunk_size // 2, floor),
         vocab_chunk=current.vocab_chunk,  # halve the rows only: a vocab tile stays as the strategy chose it
+        accum_dtype=current.accum_dtype,
         strategy=f"oom fallback from {original.chunk_size} rows ({original.strategy})",
         rule=original.rule,
     )

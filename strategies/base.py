@@ -47,9 +47,10 @@ class ChunkStrategy(ABC):
         """Raise :class:`StrategyError` if a parameter is invalid. Called before any geometry."""
 
     def planned_accum_dtype(self) -> str | None:
-        """The grad_weight accumulator the strategy planned for ("float32"); None = the weight dtype.
+        """The grad_weight accumulator the strategy plans for ("float32"); None = the weight dtype.
 
-        What ``explain`` predicts peak and time with; the loss still takes ``accum_dtype`` itself.
+        Its geometries carry it (:attr:`Geometry.accum_dtype`): peak and time are predicted with
+        it, and the loss accumulates in it.
         """
         return None
 
@@ -68,7 +69,9 @@ class ChunkStrategy(ABC):
                 f"{self!r} asked for chunk_size={wanted} for {problem.describe()}; a chunk needs at least 1 row"
             )
         chunk = min(prev_pow2(wanted), problem.tokens)
-        return Geometry.for_problem(problem, chunk, strategy=repr(self), rule=rule)
+        return Geometry.for_problem(
+            problem, chunk, accum_dtype=self.planned_accum_dtype(), strategy=repr(self), rule=rule
+        )
 
     @classmethod
     def param_names(cls) -> list[str]:

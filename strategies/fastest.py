@@ -27,9 +27,9 @@ class Fastest(ChunkStrategy):
 
     Candidates: power-of-two row chunks (and all BT rows) over the whole vocabulary, and the same
     row chunks over power-of-two vocab tiles (>= 1024 columns). ``accum`` is the grad_weight
-    accumulation the loss runs with: "bf16" (``accum_dtype=None``) or "fp32"
-    (``accum_dtype=torch.float32``, fp32-accurate weight gradients); under "fp32", one row chunk
-    of vocab tiles needs no fp32 buffer, which the model accounts for. ``rates`` overrides the
+    accumulation planned, and the geometry carries it to the loss: "bf16" (the weight dtype) or
+    "fp32" (fp32-accurate weight gradients; an fp32 buffer, except that one row chunk writes each
+    slice once and needs none, which the model accounts for). ``rates`` overrides the
     family table (flce_policy.cost_model.RATES; ``flce-policy tune --strategy fastest`` fits them):
     ``{matmul_flops: 7.0e14, hbm_bytes_per_s: 4.6e12}``. Ties go to the smaller slab.
     """
@@ -78,11 +78,14 @@ class Fastest(ChunkStrategy):
             for vocab_chunk in (problem.vocab, *columns):
                 if chunk * vocab_chunk * problem.itemsize > limit:
                     continue
-                geometry = Geometry.for_problem(problem, chunk, vocab_chunk=vocab_chunk, strategy=repr(self))
-                if (
-                    peak_limit is None
-                    or predict_peak(geometry, accum_dtype=self.planned_accum_dtype()).total_bytes <= peak_limit
-                ):
+                geometry = Geometry.for_problem(
+                    problem,
+                    chunk,
+                    vocab_chunk=vocab_chunk,
+                    accum_dtype=self.planned_accum_dtype(),
+                    strategy=repr(self),
+                )
+                if peak_limit is None or predict_peak(geometry).total_bytes <= peak_limit:
                     out.append(geometry)
         if not out:
             raise StrategyError(
@@ -101,8 +104,8 @@ class Fastest(ChunkStrategy):
 
     def rank(self, problem: Problem, device: DeviceInfo) -> list[tuple[float, Geometry]]:
         """(predicted seconds, geometry), fastest first."""
-        rates, accum = self.planned_rates(device), self.planned_accum_dtype()
-        scored = [(predict_seconds(g, rates, accum_dtype=accum).seconds, g) for g in self.candidates(problem)]
+        rates = self.planned_rates(device)
+        scored = [(predict_seconds(g, rates).seconds, g) for g in self.candidates(problem)]
         return sorted(scored, key=lambda item: (item[0], item[1].slab_bytes))
 
     def geometry(self, problem: Problem, device: DeviceInfo, *, rule: str | None = None) -> Geometry:

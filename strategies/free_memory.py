@@ -25,8 +25,8 @@ class FreeMemory(ChunkStrategy):
     (read on every call, :func:`flce_policy.memory_now.available_bytes`); from it go ``reserve``
     (bytes or "1GiB", kept for the rest of the step) and the buffers the call holds beside the
     slab (gradients, per-row outputs; :func:`flce_policy.memory.held_beside_slab`, with the
-    grad_weight accumulator in ``accum_dtype``: set "float32" when the loss gets
-    ``accum_dtype=torch.float32``). The slab gets ``fraction`` of the rest.
+    grad_weight accumulator in ``accum_dtype``, which the geometry carries to the loss: "float32"
+    for fp32-accurate weight gradients). The slab gets ``fraction`` of the rest.
 
     ``cap`` bounds the answer by another strategy's: ``FreeMemory(cap=HeuristicC(16))`` is Liger's
     C=16 unless less fits now. In YAML it is that strategy's mapping (``cap: {strategy:
@@ -72,6 +72,9 @@ class FreeMemory(ChunkStrategy):
                 cap.validate_params()
             except StrategyError as err:
                 raise _nested(err, cap.config_name()) from None
+
+    def planned_accum_dtype(self) -> str | None:
+        return self.accum_dtype
 
     def cap_strategy(self) -> ChunkStrategy | None:
         """``cap`` as a strategy: built once from a mapping (and again only if the mapping changes)."""
@@ -123,7 +126,17 @@ class FreeMemory(ChunkStrategy):
         if cap is None:
             return fits
         capped = cap.geometry(problem, device, rule=rule)
-        return fits if fits.chunk_size <= capped.chunk_size else capped.with_origin(strategy=repr(self))
+        if fits.chunk_size <= capped.chunk_size:
+            return fits
+        # the cap's shape, with this strategy's accumulator (the one its memory budget assumed)
+        return Geometry.for_problem(
+            problem,
+            capped.chunk_size,
+            vocab_chunk=capped.vocab_chunk,
+            accum_dtype=self.planned_accum_dtype(),
+            strategy=repr(self),
+            rule=capped.rule,
+        )
 
     def to_config(self) -> dict[str, Any]:
         config = super().to_config()

@@ -390,11 +390,13 @@ def test_select_methods_pattern_matching_nothing():
 
 def _hand_peak(shape, chunk, *, fp32_accum=False, vocab_chunk=None):
     """Larger of two phases (bf16 = 2 B): the chunk loop holds slab + grad_input + grad_weight
-    (fp32 with fp32 accumulation) + per-row buffers; after it the slab is freed and an fp32
-    accumulator is cast, so both grad_weight copies live at once. Vocab tiles: the slab is
+    (fp32 with fp32 accumulation over several row chunks; one chunk's GEMM writes each element
+    once, in bf16) + per-row buffers; after it the slab is freed and an fp32 accumulator is cast,
+    so both grad_weight copies live at once. Vocab tiles: the slab is
     [chunk, vocab_chunk]; with one row chunk grad_input's fp32 accumulator lives in grad_input and
     grad_weight's bytes, leaving an 8 MiB bounce buffer (whole rows) for narrowing it in place."""
     tokens, hidden, vocab = shape
+    fp32_accum = fp32_accum and chunk < tokens
     slab, grad_input = chunk * (vocab_chunk or vocab) * 2, tokens * hidden * 2
     rows = tokens * (3 * 4 + 8)  # fp32 loss, z-loss and accuracy per row, and the int64 target
     accumulator = vocab * hidden * (4 if fp32_accum else 2)
@@ -416,7 +418,8 @@ def _hand_peak(shape, chunk, *, fp32_accum=False, vocab_chunk=None):
         (GEMMA, "liger_c16_fp32", 2048),  # cdiv(262144, 16 * 5376) = 4; 8192 / 4 = 2048
         (GEMMA, "ours_vtile8192_bf16", 8192),  # one row chunk of all BT rows, 32 vocab tiles
         (SMALL, "ours_default_bf16", 4096),  # 2 GiB / (32768 * 2 B) = 32768 rows, clamped to BT = 4096
-        (SMALL, "ours_chunk4096_fp32", 4096),
+        (SMALL, "ours_chunk4096_fp32", 4096),  # one chunk: no fp32 buffer
+        (SMALL, "ours_chunk2048_fp32", 2048),
         (SMALL, "liger_c1_bf16", 128),  # cdiv(32768, 1024) = 32; 4096 / 32 = 128
     ],
 )
