@@ -200,10 +200,13 @@ def _ours_measured(x, w, y, policy, **kw):
 
 def test_vocab_tiled_at_32k_is_fp32_accurate_in_the_memory_of_bf16_gradients():
     """32768x5376x262144 bf16: the lean Fastest pick (256 MiB slab, fp32-accurate, peak limit) and
-    4096-column tiles (7 late tiles computed again) against the chunked fp32 reference and eager."""
-    from flce_policy import DeviceInfo, Geometry, Problem
+    4096-column tiles (7 late tiles computed again) against the chunked fp32 reference and eager.
+    Also a policy of ``Fastest(max_slab="256MiB", accum="fp32")`` (its pick has 2 row chunks) with
+    no accum_dtype passed: the loss must follow the planned fp32 accumulator (peak as predicted)."""
+    from flce_policy import DeviceInfo, FLCEPolicy, Geometry, Problem
     from flce_policy.benchmarks.methods import LEAN_PEAK
     from flce_policy.memory import predict_peak
+    from flce_policy.probe import device_for_tensor_device
     from flce_policy.strategies import Fastest
 
     shape = (32768, 5376, 262144)
@@ -213,15 +216,22 @@ def test_vocab_tiled_at_32k_is_fp32_accurate_in_the_memory_of_bf16_gradients():
     eager = _errors("eager_bf16", reference_loss_and_grads(x, w, y, compute_dtype=torch.bfloat16), reference)
     torch.cuda.empty_cache()
     lean = Fastest(max_slab="256MiB", accum="fp32", max_peak=LEAN_PEAK).geometry(problem, DeviceInfo.synthetic("H200"))
-    runs = {"ours_fastest_lean": lean, "ours_vtile4096": Geometry.for_problem(problem, shape[0], vocab_chunk=4096)}
+    runs = {
+        "ours_fastest_lean": lean,
+        "ours_vtile4096": Geometry.for_problem(problem, shape[0], vocab_chunk=4096),
+        "ours_fastest256MiB_fp32_policy": FLCEPolicy(default=Fastest(max_slab="256MiB", accum="fp32")),
+    }
     rows = [eager]
-    for name, geometry in runs.items():
-        result, peak = _ours_measured(x, w, y, geometry)
+    here = device_for_tensor_device(x.device)
+    for name, policy in runs.items():
+        result, peak = _ours_measured(x, w, y, policy)
+        geometry = policy if isinstance(policy, Geometry) else policy.resolve(problem, here)
         predicted = predict_peak(geometry).total_bytes
         rows.append(
             {
                 **_errors(name, result, reference),
                 "geometry": geometry.describe(),
+                "accum_dtype": geometry.accum_dtype,
                 "peak_bytes": peak,
                 "predicted_peak_bytes": predicted,
             }
@@ -239,3 +249,31 @@ def test_vocab_tiled_at_32k_is_fp32_accurate_in_the_memory_of_bf16_gradients():
         assert row["grad_input_rel_l2"] <= 1.1 * eager["grad_input_rel_l2"], row
         assert row["grad_weight_rel_l2"] <= 1.1 * eager["grad_weight_rel_l2"], row
         assert abs(row["predicted_peak_bytes"] / row["peak_bytes"] - 1) < 0.03, row
+
+
+def test_one_chunk_with_fp32_accumulation_allocates_no_fp32_buffer():
+    """One row-only chunk: one GEMM writes each grad_weight element, so accum_dtype=float32 must
+    cost nothing (same peak as bf16, as predicted) and give the same gradients bit for bit."""
+    from flce_policy import Geometry, Problem
+    from flce_policy.memory import predict_peak
+
+    shape = (4096, 4096, 65536)
+    x, w, y = make_inputs(*shape, torch.bfloat16, seed=3)
+    geometry = Geometry.for_problem(Problem(*shape), shape[0])
+    plain, plain_peak = _ours_measured(x, w, y, geometry)
+    widened, widened_peak = _ours_measured(x, w, y, geometry, accum_dtype=torch.float32)
+    predicted = predict_peak(geometry, accum_dtype="float32").total_bytes
+    _report(
+        {
+            "test": "one_chunk_fp32_accum",
+            "shape": shape,
+            "peak_bytes_bf16": plain_peak,
+            "peak_bytes_fp32_accum": widened_peak,
+            "predicted_peak_bytes": predicted,
+            "fp32_buffer_bytes": shape[1] * shape[2] * 4,
+        }
+    )
+    assert widened_peak == plain_peak
+    assert abs(predicted / widened_peak - 1) < 0.03
+    for a, b in zip(plain, widened, strict=True):
+        assert torch.equal(a, b)
