@@ -19,6 +19,7 @@ import torch
 from flce_policy.geometry import Geometry
 from flce_policy.kernels.driver import CEParams, DriverOutputs, GradRequest
 from flce_policy.kernels.resilient import run_with_oom_fallback
+from flce_policy.kernels.scale import scale_unless_one_
 from flce_policy.oom import DEFAULT_OOM_FALLBACK, OOMFallback
 from flce_policy.options import LossOptions
 
@@ -141,11 +142,12 @@ class FLCEFunction(torch.autograd.Function):
 
 
 def _rescale(saved: tuple[torch.Tensor | None, ...], grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-    # One host read per backward: skipping a full pass over grad_weight when grad_output == 1
-    # (the usual loss.backward()) is worth more than the sync, which comes after all queued work.
-    if grad_loss.item() == 1.0:
-        return saved
-    return tuple(None if g is None else g * grad_loss.to(g.dtype) for g in saved)
+    # In place, on the device: no host sync, no pass when grad_output == 1 (the usual
+    # loss.backward()), and no second parameter-sized grad_weight when it is not.
+    for g in saved:
+        if g is not None:
+            scale_unless_one_(g, grad_loss)
+    return saved
 
 
 def _recompute_grads(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
