@@ -1,12 +1,16 @@
-"""Where a fwd+bwd's GPU time goes, per kernel: ``python -m flce_policy.benchmarks.profile_chunks BTxHxV CHUNK...``.
+"""Where a fwd+bwd's time goes: ``python -m flce_policy.benchmarks.profile_chunks BTxHxV CHUNK...``.
 
-Prints the CUDA time of each kernel name summed over one profiled fwd+bwd (after a warm-up),
-for our loss at each chunk size and for liger-kernel at the same shape when it is installed.
+For our loss at each chunk size, and for liger-kernel at C=1 and C=16 when it is installed: the
+CUDA time of each kernel name summed over one profiled fwd+bwd (after a warm-up), the step's
+wall time (CUDA events, GPU idle included) and the host time to issue it with an empty queue
+(a step whose host time exceeds its kernel time is bound by the CPU, not the GPU).
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
+import time
 from collections import defaultdict
 
 import torch
@@ -31,8 +35,27 @@ def kernel_times(step, repeats: int = 3) -> dict[str, float]:
     return dict(totals)
 
 
-def show(label: str, totals: dict[str, float]) -> None:
-    print(f"--- {label}: {sum(totals.values()):.2f} ms of kernels")
+def wall_and_host_ms(step, repeats: int = 20) -> tuple[float, float]:
+    """Median wall time of ``step`` (CUDA events) and median host time to issue it, in ms."""
+    step()
+    walls, hosts = [], []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        began = time.perf_counter()
+        start.record()
+        step()
+        stop.record()
+        hosts.append((time.perf_counter() - began) * 1e3)
+        stop.synchronize()
+        walls.append(start.elapsed_time(stop))
+    return statistics.median(walls), statistics.median(hosts)
+
+
+def show(label: str, step) -> None:
+    totals = kernel_times(step)
+    wall, host = wall_and_host_ms(step)
+    print(f"--- {label}: {sum(totals.values()):.2f} ms of kernels, {wall:.2f} ms wall, {host:.2f} ms to issue")
     for name, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:8]:
         print(f"  {ms:9.3f} ms  {name}")
 
@@ -43,11 +66,12 @@ def main(argv: list[str]) -> None:
     shape = parse_shape(argv[0])
     inputs: Inputs = make_inputs(*shape, logit_std=4.0)
     for chunk in (int(c) for c in argv[1:]):
-        show(f"ours chunk {chunk}", kernel_times(ours(lambda i, c=chunk: FixedChunkSize(c))(inputs)))
-    try:
-        show("liger c=1", kernel_times(liger(1)(inputs)))
-    except Exception as err:  # noqa: BLE001 - a missing peer only skips its row
-        print("liger:", err)
+        show(f"ours chunk {chunk}", ours(lambda i, c=chunk: FixedChunkSize(c))(inputs))
+    for chunk_mem_const in (1, 16):
+        try:
+            show(f"liger c={chunk_mem_const}", liger(chunk_mem_const)(inputs))
+        except Exception as err:  # noqa: BLE001 - a missing peer only skips its row
+            print("liger:", err)
 
 
 if __name__ == "__main__":
