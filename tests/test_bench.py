@@ -564,3 +564,18 @@ def test_fastest_rows_plan_within_their_limits():
             assert geometry.slab_bytes <= method.options["max_slab"], method.name
             if method.options["max_peak"] is not None:
                 assert peak <= method.options["max_peak"], method.name
+
+
+def test_four_gemm_bound_runs_the_gemms_of_a_vocab_tiled_pass():
+    """Per tile of 48 columns (the last 16): the logits L twice, L @ W_tile summed into grad_input,
+    L.T @ x into the slice; with L standing in for dL/dlogits, the full products come out."""
+    from flce_policy.benchmarks.four_gemm_bound import four_gemms
+    from flce_policy.benchmarks.methods import Inputs
+
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(20, 8, generator=gen), torch.randn(112, 8, generator=gen)
+    step, grad_input, grad_weight = four_gemms(Inputs(x, w, torch.zeros(20, dtype=torch.int64)), 48)
+    step()
+    logits = x.double() @ w.double().t()
+    torch.testing.assert_close(grad_input.double(), logits @ w.double(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(grad_weight.double(), logits.t() @ x.double(), rtol=1e-5, atol=1e-4)
