@@ -71,6 +71,7 @@ class Fastest(ChunkStrategy):
         """Every geometry considered, slab within ``max_slab``."""
         limit = parse_bytes(self.max_slab)
         peak_limit = None if self.max_peak is None else parse_bytes(self.max_peak)
+        accum_dtype, label = self.planned_accum_dtype(), repr(self)
         rows = sorted({*_powers_of_two(problem.tokens), problem.tokens})
         columns = [c for c in _powers_of_two(problem.vocab) if c >= _MIN_VOCAB_CHUNK and c < problem.vocab]
         out = []
@@ -79,11 +80,7 @@ class Fastest(ChunkStrategy):
                 if chunk * vocab_chunk * problem.itemsize > limit:
                     continue
                 geometry = Geometry.for_problem(
-                    problem,
-                    chunk,
-                    vocab_chunk=vocab_chunk,
-                    accum_dtype=self.planned_accum_dtype(),
-                    strategy=repr(self),
+                    problem, chunk, vocab_chunk=vocab_chunk, accum_dtype=accum_dtype, strategy=label
                 )
                 if peak_limit is None or predict_peak(geometry).total_bytes <= peak_limit:
                     out.append(geometry)

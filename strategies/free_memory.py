@@ -135,7 +135,7 @@ class FreeMemory(ChunkStrategy):
             vocab_chunk=capped.vocab_chunk,
             accum_dtype=self.planned_accum_dtype(),
             strategy=repr(self),
-            rule=capped.rule,
+            rule=rule,
         )
 
     def to_config(self) -> dict[str, Any]:
