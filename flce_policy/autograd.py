@@ -8,6 +8,10 @@ chunks again with a per-row scale.
 Both passes go through the OOM fallback: a slab that does not fit is retried at half the rows
 (``fallback``, from the policy; without one, the default floor and nothing remembered), and
 ``none``'s backward recomputes at the geometry the forward completed at.
+
+Under autocast (``compute_dtype``) the operands are cast here, inside the Function, so that
+autograd sees the caller's tensors: the gradients come back in their dtypes, and an fp32 master
+weight's gradient is accumulated in fp32 by the driver, with no low-precision gradient and cast.
 """
 
 from __future__ import annotations
@@ -32,8 +36,18 @@ def _ce_params(options: LossOptions) -> CEParams:
         label_smoothing=float(options.label_smoothing),
         softcap=None if options.softcap is None else float(options.softcap),
         z_loss_scale=float(options.z_loss_scale),
-        track_argmax=options.return_token_accuracy,
+        track_argmax=options.return_token_accuracy or options.return_predicted_tokens,
+        token_scaling=options.use_token_scaling,
     )
+
+
+def _operands(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype: torch.dtype | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The tensors the kernels run on: the caller's, or their ``compute_dtype`` copies under autocast."""
+    if compute_dtype is None:
+        return x, weight, bias
+    return x.to(compute_dtype), weight.to(compute_dtype), None if bias is None else bias.to(compute_dtype)
 
 
 def _denominators(target: torch.Tensor, class_weight: torch.Tensor | None, ignore_index: int) -> torch.Tensor:
@@ -66,79 +80,118 @@ class FLCEFunction(torch.autograd.Function):
         options: LossOptions,
         grad_enabled: bool,
         fallback: OOMFallback | None = DEFAULT_OOM_FALLBACK,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        compute_dtype: torch.dtype | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         # needs_input_grad ignores torch.no_grad(): the caller's grad mode is passed in.
         want = GradRequest(
             input=grad_enabled and ctx.needs_input_grad[0],
             weight=grad_enabled and ctx.needs_input_grad[1],
             bias=grad_enabled and bias is not None and ctx.needs_input_grad[2],
             accum_dtype=options.accum_dtype,
+            weight_dtype=None if compute_dtype is None else weight.dtype,
         )
-        params = _ce_params(options)
-        denominators = _denominators(target, class_weight, options.ignore_index)
-        # Only an empty denominator is replaced (a class-weight mass may legitimately be < 1).
-        safe_denominators = torch.where(denominators > 0, denominators, torch.ones_like(denominators))
-        in_forward = want if options.reduction != "none" else GradRequest()
-        grad_scale = None
-        if in_forward.any:
-            grad_scale = (
-                safe_denominators.reciprocal() if options.reduction == "mean" else torch.ones_like(denominators)
-            )
-
-        if geometry is None:  # empty input: no rows, nothing to run
-            out = _empty_outputs(x, weight, bias, in_forward)
-        else:
-            out, geometry = run_with_oom_fallback(
-                x,
-                weight,
-                bias,
-                target,
-                geometry,
-                params,
-                in_forward,
-                fallback,
-                class_weight=class_weight,
-                grad_scale=grad_scale,
-            )
-
-        z_rows = out.z_loss_rows if out.z_loss_rows is not None else torch.zeros_like(out.loss_rows)
-        if options.reduction == "none":
-            loss = out.loss_rows + z_rows
-            z_loss = z_rows
-        elif options.reduction == "sum":
-            z_loss = z_rows.sum()
-            loss = out.loss_rows.sum() + z_loss
-        else:
-            z_loss = z_rows.sum() / safe_denominators[1]
-            loss = out.loss_rows.sum() / safe_denominators[0] + z_loss
-        if out.correct_rows is not None:
-            accuracy = out.correct_rows.sum() / safe_denominators[1]
-        else:
-            accuracy = torch.zeros((), dtype=torch.float32, device=x.device)
-        ctx.mark_non_differentiable(z_loss, accuracy)
-
-        # The geometry that completed: reduction none's backward starts from it, not from the one asked for.
-        ctx.options, ctx.geometry, ctx.want, ctx.fallback = options, geometry, want, fallback
-        if options.reduction == "none":
-            ctx.save_for_backward(x, weight, bias, target, class_weight)
-        else:
-            # Kept off save_for_backward and dropped in backward, so autograd can adopt the
-            # buffers as .grad without copying a parameter-sized tensor.
-            ctx.grads = (out.grad_input, out.grad_weight, out.grad_bias)
-        return loss, z_loss, accuracy
+        ctx.compute_dtype = compute_dtype
+        with _autocast_off(x.device.type):
+            return _forward(ctx, x, weight, bias, target, class_weight, geometry, options, want, fallback)
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         options: LossOptions = ctx.options
         if options.reduction == "none":
-            grads = _recompute_grads(ctx, grad_loss)
+            with _autocast_off(grad_loss.device.type):
+                grads = _recompute_grads(ctx, grad_loss)
         else:
             grads, ctx.grads = ctx.grads, None
             if grads is None:
                 raise RuntimeError("fused_linear_cross_entropy: backward ran twice through the same call")
             grads = _rescale(grads, grad_loss)
         grad_input, grad_weight, grad_bias = grads
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
+
+
+def _autocast_off(device_type: str) -> Any:
+    # The operands are already in the compute dtype; autocast must not recast the fp32 accumulators.
+    return torch.autocast(device_type, enabled=False)
+
+
+def _forward(
+    ctx: Any,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    class_weight: torch.Tensor | None,
+    geometry: Geometry | None,
+    options: LossOptions,
+    want: GradRequest,
+    fallback: OOMFallback | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    if options.reduction == "none":
+        # the caller's tensors: backward casts again rather than holding a copy between the passes
+        ctx.save_for_backward(x, weight, bias, target, class_weight)
+    ctx.caller_dtypes = (x.dtype, None if bias is None else bias.dtype)
+    x, weight, bias = _operands(x, weight, bias, ctx.compute_dtype)
+    params = _ce_params(options)
+    denominators = _denominators(target, class_weight, options.ignore_index)
+    # Only an empty denominator is replaced (a class-weight mass may legitimately be < 1).
+    safe_denominators = torch.where(denominators > 0, denominators, torch.ones_like(denominators))
+    in_forward = want if options.reduction != "none" else GradRequest()
+    grad_scale = None
+    if in_forward.any:
+        grad_scale = safe_denominators.reciprocal() if options.reduction == "mean" else torch.ones_like(denominators)
+
+    if geometry is None:  # empty input: no rows, nothing to run
+        out = _empty_outputs(x, weight, bias, in_forward, params)
+    else:
+        out, geometry = run_with_oom_fallback(
+            x,
+            weight,
+            bias,
+            target,
+            geometry,
+            params,
+            in_forward,
+            fallback,
+            class_weight=class_weight,
+            grad_scale=grad_scale,
+        )
+
+    z_rows = out.z_loss_rows if out.z_loss_rows is not None else torch.zeros_like(out.loss_rows)
+    if options.reduction == "none":
+        loss = out.loss_rows + z_rows
+        z_loss = z_rows
+    elif options.reduction == "sum":
+        z_loss = z_rows.sum()
+        loss = out.loss_rows.sum() + z_loss
+    else:
+        z_loss = z_rows.sum() / safe_denominators[1]
+        loss = out.loss_rows.sum() / safe_denominators[0] + z_loss
+    if options.return_token_accuracy:
+        correct = (out.argmax_rows == target) & (target != options.ignore_index)
+        accuracy = correct.sum(dtype=torch.float32) / safe_denominators[1]
+    else:
+        accuracy = torch.zeros((), dtype=torch.float32, device=x.device)
+    predicted = out.argmax_rows if options.return_predicted_tokens else None
+    ctx.mark_non_differentiable(*(t for t in (z_loss, accuracy, predicted) if t is not None))
+
+    # The geometry that completed: reduction none's backward starts from it, not from the one asked for.
+    ctx.options, ctx.geometry, ctx.want, ctx.fallback = options, geometry, want, fallback
+    if options.reduction != "none":
+        # Kept off save_for_backward and dropped in backward, so autograd can adopt the
+        # buffers as .grad without copying a parameter-sized tensor.
+        ctx.grads = _in_caller_dtypes(ctx, out)
+    return loss, z_loss, accuracy, predicted
+
+
+def _in_caller_dtypes(ctx: Any, out: DriverOutputs) -> tuple[torch.Tensor | None, ...]:
+    """The gradients in the dtypes of the tensors the caller passed (they differ under autocast only)."""
+    input_dtype, bias_dtype = ctx.caller_dtypes
+    grad_input, grad_bias = out.grad_input, out.grad_bias
+    if grad_input is not None and grad_input.dtype != input_dtype:
+        grad_input = grad_input.to(input_dtype)
+    if grad_bias is not None and grad_bias.dtype != bias_dtype:
+        grad_bias = grad_bias.to(bias_dtype)
+    return grad_input, out.grad_weight, grad_bias
 
 
 def _rescale(saved: tuple[torch.Tensor | None, ...], grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -153,7 +206,9 @@ def _rescale(saved: tuple[torch.Tensor | None, ...], grad_loss: torch.Tensor) ->
 def _recompute_grads(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     x, weight, bias, target, class_weight = ctx.saved_tensors
     if ctx.geometry is None:
-        return _empty_outputs(x, weight, bias, ctx.want)[3:]
+        return _empty_outputs(x, weight, bias, ctx.want, CEParams())[3:]
+    ctx.caller_dtypes = (x.dtype, None if bias is None else bias.dtype)
+    x, weight, bias = _operands(x, weight, bias, ctx.compute_dtype)
     row_scale = grad_loss.reshape(-1).to(torch.float32).contiguous()
     out, ctx.geometry = run_with_oom_fallback(
         x,
@@ -168,18 +223,18 @@ def _recompute_grads(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | 
         grad_scale=row_scale,
         scale_per_row=True,
     )
-    return out.grad_input, out.grad_weight, out.grad_bias
+    return _in_caller_dtypes(ctx, out)
 
 
 def _empty_outputs(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, want: GradRequest
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, want: GradRequest, params: CEParams
 ) -> DriverOutputs:
     empty = torch.zeros(0, dtype=torch.float32, device=x.device)
     return DriverOutputs(
         empty,
         None,
-        None,
+        torch.zeros(0, dtype=torch.int64, device=x.device) if params.track_argmax else None,
         torch.zeros_like(x) if want.input else None,
-        torch.zeros_like(weight) if want.weight else None,
+        torch.zeros_like(weight, dtype=want.weight_dtype) if want.weight else None,
         torch.zeros_like(bias) if want.bias and bias is not None else None,
     )

@@ -101,16 +101,24 @@ class Geometry(BaseModel):
         """
         return self.num_chunks == 1
 
-    def accum_itemsize(self, accum_dtype: str | None = None) -> int:
-        """Bytes per element of the grad_weight buffer the driver allocates.
+    def accumulator_dtype(self, accum_dtype: Any = None, master_dtype: Any = None) -> str:
+        """The dtype of the grad_weight buffer the driver allocates ("bfloat16", "float32", ...).
 
         ``accum_dtype`` overrides the planned one (None: :attr:`accum_dtype`, itself None = the
         problem's dtype); a geometry that writes grad_weight once needs no wider buffer.
+        ``master_dtype`` is the dtype of the weight the gradient is returned for when it differs
+        from the problem's (an fp32 master weight under autocast): an fp32 master's gradient is
+        accumulated in fp32 directly, never in a low-precision buffer that is cast afterwards.
         """
+        master = normalise_dtype(master_dtype) if master_dtype is not None else self.problem.dtype
+        if master == "float32" or self.writes_weight_grad_once:
+            return master
         accum_dtype = accum_dtype or self.accum_dtype
-        if accum_dtype is None or self.writes_weight_grad_once:
-            return self.problem.itemsize
-        return DTYPE_ITEMSIZE[normalise_dtype(accum_dtype)]
+        return self.problem.dtype if accum_dtype is None else normalise_dtype(accum_dtype)
+
+    def accum_itemsize(self, accum_dtype: Any = None, master_dtype: Any = None) -> int:
+        """Bytes per element of the grad_weight buffer the driver allocates (:meth:`accumulator_dtype`)."""
+        return DTYPE_ITEMSIZE[self.accumulator_dtype(accum_dtype, master_dtype)]
 
     @property
     def last_chunk_size(self) -> int:

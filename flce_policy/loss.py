@@ -22,19 +22,24 @@ if TYPE_CHECKING:
     from flce_policy.oom import OOMFallback
     from flce_policy.policy import FLCEPolicy
 
-__all__ = ["fused_linear_cross_entropy", "FusedLinearCrossEntropyLoss", "FLCEOutput"]
+__all__ = ["fused_linear_cross_entropy", "FusedLinearCrossEntropyLoss", "FLCEOutput", "autocast_dtype"]
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class FLCEOutput(NamedTuple):
-    """Returned when ``return_z_loss`` or ``return_token_accuracy`` is set.
+    """Returned when ``return_z_loss``, ``return_token_accuracy`` or ``return_predicted_tokens`` is set.
 
-    ``z_loss`` (already included in ``loss``) and ``token_accuracy`` (share of non-ignored tokens
-    whose argmax logit is the target) are detached, for logging; ``None`` when not requested.
+    ``z_loss`` (already included in ``loss``), ``token_accuracy`` (share of non-ignored tokens
+    whose argmax logit is the target) and ``predicted_tokens`` (int64, ``target``'s shape: each
+    token's argmax class, -1 where the target is ignored) are detached, for logging; ``None`` when
+    not requested.
     """
 
     loss: torch.Tensor
     z_loss: torch.Tensor | None
     token_accuracy: torch.Tensor | None
+    predicted_tokens: torch.Tensor | None = None
 
 
 def fused_linear_cross_entropy(
@@ -53,12 +58,17 @@ def fused_linear_cross_entropy(
     return_token_accuracy: bool = False,
     class_weight: torch.Tensor | None = None,
     accum_dtype: torch.dtype | None = None,
+    use_token_scaling: bool = False,
+    return_predicted_tokens: bool = False,
 ) -> torch.Tensor | FLCEOutput:
     """``cross_entropy(input @ weight.T + bias, target)`` without materialising the logits.
 
     Args:
         input: ``[..., H]`` activations (leading dims are flattened into BT rows).
-        weight: ``[V, H]`` LM head (F.linear convention), same dtype and device as ``input``.
+        weight: ``[V, H]`` LM head (F.linear convention), same dtype and device as ``input``; under
+            ``torch.autocast`` any float dtypes: the loss computes in the autocast dtype, as
+            ``F.linear`` would, and returns each gradient in its tensor's dtype (an fp32 master
+            weight's accumulated in fp32).
         target: ``[...]`` integer class indices (``input.shape[:-1]``); ``ignore_index`` skips a row.
         bias: optional ``[V]``.
         policy: an :class:`FLCEPolicy` (default: ``FLCEPolicy.default()``, which honours
@@ -72,6 +82,9 @@ def fused_linear_cross_entropy(
         accum_dtype: ``torch.float32`` accumulates grad_weight over chunks in fp32. None: what the
             geometry plans (``Fastest(accum="fp32")`` and ``FreeMemory(accum_dtype="float32")``
             plan fp32), else the weight dtype. Asking for another than the planned one is an error.
+        use_token_scaling: multiply each token's loss (cross-entropy and z-loss), and so its
+            gradient, by the detached predicted probability of its target (TRL's ``dft`` loss).
+        return_predicted_tokens: return each token's argmax class (-1 where ignored).
 
     Differences from ``F.cross_entropy``: the loss is float32 whatever the input dtype; ``mean``
     over zero non-ignored tokens (all ignored, or empty input) is 0 with zero gradients, not NaN.
@@ -85,22 +98,49 @@ def fused_linear_cross_entropy(
         return_z_loss=return_z_loss,
         return_token_accuracy=return_token_accuracy,
         accum_dtype=accum_dtype,
+        use_token_scaling=use_token_scaling,
+        return_predicted_tokens=return_predicted_tokens,
     )
-    x, target_flat, class_weight = _check_tensors(input, weight, target, bias, class_weight, options)
-    geometry, fallback = _geometry_for(policy, x, weight) if x.shape[0] else (None, None)
+    compute_dtype = autocast_dtype(input, weight, bias)
+    x, target_flat, class_weight = _check_tensors(input, weight, target, bias, class_weight, options, compute_dtype)
+    logits_dtype = compute_dtype or x.dtype
+    geometry, fallback = _geometry_for(policy, x, weight, logits_dtype) if x.shape[0] else (None, None)
     if geometry is not None:
         options = options.following(geometry)
 
     from flce_policy.autograd import FLCEFunction
 
-    loss, z_loss, accuracy = FLCEFunction.apply(
-        x, weight, bias, target_flat, class_weight, geometry, options, torch.is_grad_enabled(), fallback
+    loss, z_loss, accuracy, predicted = FLCEFunction.apply(
+        x, weight, bias, target_flat, class_weight, geometry, options, torch.is_grad_enabled(), fallback, compute_dtype
     )
     if reduction == "none":
         loss, z_loss = loss.view(target.shape), z_loss.view(target.shape)
-    if not (return_z_loss or return_token_accuracy):
+    if not (return_z_loss or return_token_accuracy or return_predicted_tokens):
         return loss
-    return FLCEOutput(loss, z_loss if return_z_loss else None, accuracy if return_token_accuracy else None)
+    return FLCEOutput(
+        loss,
+        z_loss if return_z_loss else None,
+        accuracy if return_token_accuracy else None,
+        predicted.view(target.shape) if return_predicted_tokens else None,
+    )
+
+
+def autocast_dtype(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.dtype | None:
+    """The dtype the loss computes in under ``torch.autocast`` when it differs from a tensor's; else None.
+
+    ``F.linear`` under autocast runs in the autocast dtype whatever its operands' dtypes; the loss
+    does the same (an fp32 master weight and fp32 or bf16 hidden states compute in bf16).
+    """
+    if not isinstance(input, torch.Tensor) or input.device.type not in ("cuda", "cpu"):
+        return None  # _check_tensors names the problem
+    device_type = input.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    dtype = torch.get_autocast_dtype(device_type)
+    tensors = (input, weight) if bias is None else (input, weight, bias)
+    if all(t.dtype == dtype for t in tensors if isinstance(t, torch.Tensor)):
+        return None
+    return dtype
 
 
 class FusedLinearCrossEntropyLoss(nn.Module):
@@ -121,7 +161,9 @@ class FusedLinearCrossEntropyLoss(nn.Module):
         return ", ".join([f"policy={self.policy!r}"] + [f"{k}={v!r}" for k, v in self.options.items()])
 
 
-def _geometry_for(policy: Any, x: torch.Tensor, weight: torch.Tensor) -> tuple[Geometry, OOMFallback | None]:
+def _geometry_for(
+    policy: Any, x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype
+) -> tuple[Geometry, OOMFallback | None]:
     """The geometry to run, and how an OOM on its slab is answered (a policy's settings, else the default)."""
     from flce_policy.oom import DEFAULT_OOM_FALLBACK
     from flce_policy.probe import device_for_tensor_device
@@ -129,7 +171,7 @@ def _geometry_for(policy: Any, x: torch.Tensor, weight: torch.Tensor) -> tuple[G
 
     if isinstance(policy, Geometry):
         return policy, DEFAULT_OOM_FALLBACK  # checked against the tensors by the driver
-    problem = Problem(tokens=x.shape[0], hidden=x.shape[1], vocab=weight.shape[0], dtype=x.dtype)
+    problem = Problem(tokens=x.shape[0], hidden=x.shape[1], vocab=weight.shape[0], dtype=dtype)
     device = device_for_tensor_device(x.device)
     if isinstance(policy, ChunkStrategy):
         return policy.geometry(problem, device), DEFAULT_OOM_FALLBACK
@@ -157,8 +199,12 @@ def _check_tensors(
     bias: torch.Tensor | None,
     class_weight: torch.Tensor | None,
     options: LossOptions,
+    compute_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Validate shapes, dtypes, devices and target range; return flattened input/target and fp32 weights."""
+    """Validate shapes, dtypes, devices and target range; return flattened input/target and fp32 weights.
+
+    ``compute_dtype`` (autocast) lets input, weight and bias differ in dtype: all are cast to it.
+    """
     for name, tensor in (("input", input), ("weight", weight), ("target", target)):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -171,16 +217,20 @@ def _check_tensors(
         )
     if target.shape != input.shape[:-1]:
         raise ValueError(f"target shape {tuple(target.shape)} must equal input.shape[:-1] = {tuple(input.shape[:-1])}")
-    if input.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"input dtype must be bfloat16, float16 or float32, got {input.dtype}")
-    if weight.dtype != input.dtype:
-        raise TypeError(f"weight dtype {weight.dtype} must equal input dtype {input.dtype}")
+    for name, tensor in (("input", input), ("weight", weight)):
+        if tensor.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} dtype must be bfloat16, float16 or float32, got {tensor.dtype}")
+    if weight.dtype != input.dtype and compute_dtype is None:
+        raise TypeError(
+            f"weight dtype {weight.dtype} must equal input dtype {input.dtype} "
+            "(outside torch.autocast; inside it both are cast to the autocast dtype)"
+        )
     if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
         raise TypeError(f"target must hold integer class indices, got dtype {target.dtype}")
     if bias is not None:
         if bias.shape != (vocab,):
             raise ValueError(f"bias must be [V={vocab}], got {tuple(bias.shape)}")
-        if bias.dtype != input.dtype:
+        if bias.dtype != input.dtype and compute_dtype is None:
             raise TypeError(f"bias dtype {bias.dtype} must equal input dtype {input.dtype}")
     if class_weight is not None:
         if not isinstance(class_weight, torch.Tensor) or class_weight.shape != (vocab,):

@@ -30,6 +30,8 @@ class LossOptions:
     return_z_loss: bool = False
     return_token_accuracy: bool = False
     accum_dtype: torch.dtype | None = None
+    use_token_scaling: bool = False
+    return_predicted_tokens: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
@@ -42,6 +44,9 @@ class LossOptions:
             raise ValueError(f"softcap must be a positive finite number or None, got {self.softcap!r}")
         if not _is_real(self.z_loss_scale) or self.z_loss_scale < 0:
             raise ValueError(f"z_loss_scale must be a finite number >= 0, got {self.z_loss_scale!r}")
+        for name in ("return_z_loss", "return_token_accuracy", "use_token_scaling", "return_predicted_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.accum_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(
                 f"accum_dtype must be None, torch.float32, torch.bfloat16 or torch.float16; got {self.accum_dtype!r}"

@@ -197,7 +197,7 @@ def _ce_finish_kernel(
     scale_ptr,
     loss_ptr,
     z_loss_ptr,
-    correct_ptr,
+    argmax_ptr,
     n_cols,
     col_offset,
     vocab,
@@ -211,6 +211,7 @@ def _ce_finish_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
     TRACK_ARGMAX: tl.constexpr,
+    TOKEN_SCALING: tl.constexpr,
     WRITE_LOSS: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     SCALE_PER_ROW: tl.constexpr,
@@ -233,7 +234,7 @@ def _ce_finish_kernel(
             if HAS_Z_LOSS:
                 tl.store(z_loss_ptr + row, 0.0)
             if TRACK_ARGMAX:
-                tl.store(correct_ptr + row, 0.0)
+                tl.store(argmax_ptr + row, -1)
         if WRITE_GRAD:
             for start in range(col_start, col_stop, BLOCK_V):
                 offs = start + cols
@@ -254,22 +255,26 @@ def _ce_finish_kernel(
             if HAS_SMOOTHING:
                 sum_w = tl.sum(tl.load(partials_ptr + 3 * plane + slots), axis=0)
         eps_over_v = label_smoothing / vocab
+        z_y = tl.load(partials_ptr + 5 * plane + row * NUM_SLOTS)
+        # Token scaling: the row's whole loss, and so its gradient, times the detached p_y.
+        token_scale = 1.0
+        if TOKEN_SCALING:
+            token_scale = tl.exp(z_y - lse)
 
         if WRITE_LOSS and segment == 0:
-            z_y = tl.load(partials_ptr + 5 * plane + row * NUM_SLOTS)
             ce = (1.0 - label_smoothing) * w_y * (lse - z_y)
             if HAS_SMOOTHING:
                 sum_wz = tl.sum(tl.load(partials_ptr + 2 * plane + slots), axis=0)
                 ce += eps_over_v * (sum_w * lse - sum_wz)
-            tl.store(loss_ptr + row, ce)
+            tl.store(loss_ptr + row, ce * token_scale)
             if HAS_Z_LOSS:
-                tl.store(z_loss_ptr + row, z_loss_scale * lse * lse)
+                tl.store(z_loss_ptr + row, z_loss_scale * lse * lse * token_scale)
             if TRACK_ARGMAX:
                 best_s = tl.load(partials_ptr + 4 * plane + slots)
                 # the lowest column among the slots holding the maximum, as torch.argmax picks
                 best_i = tl.load(best_index_ptr + slots)
                 idx = tl.min(tl.where(best_s == tl.max(best_s, axis=0), best_i, vocab), axis=0)
-                tl.store(correct_ptr + row, (idx == target).to(tl.float32))
+                tl.store(argmax_ptr + row, idx.to(tl.int64))
 
         if WRITE_GRAD:
             if SCALE_PER_ROW:
@@ -278,6 +283,8 @@ def _ce_finish_kernel(
             else:
                 scale_ce = tl.load(scale_ptr)
                 scale_z = tl.load(scale_ptr + 1)
+            scale_ce *= token_scale
+            scale_z *= token_scale
             coef_p = scale_ce * ((1.0 - label_smoothing) * w_y + eps_over_v * sum_w)
             if HAS_Z_LOSS:
                 coef_p += scale_z * 2.0 * z_loss_scale * lse
@@ -300,12 +307,12 @@ def _ce_finish_kernel(
                 tl.store(row_ptr + offs, grad.to(row_ptr.dtype.element_ty), mask=mask)
 
 
-def _flags(ws: CEWorkspace, class_weight, label_smoothing, softcap, correct_rows) -> dict:
+def _flags(ws: CEWorkspace, class_weight, label_smoothing, softcap, track_argmax: bool) -> dict:
     return dict(
         HAS_WEIGHT=class_weight is not None,
         HAS_SMOOTHING=label_smoothing > 0.0,
         HAS_SOFTCAP=softcap is not None,
-        TRACK_ARGMAX=correct_rows is not None,
+        TRACK_ARGMAX=track_argmax,
         NUM_SLOTS=ws.slots,
         BLOCK_V=ws.block_v,
         num_warps=WIDE_BLOCK_WARPS if ws.block_v >= 2048 else 4,
@@ -331,7 +338,7 @@ def ce_partial(
     """
     n_rows, n_cols = logits.shape
     ws = workspace
-    flags = _flags(ws, class_weight, label_smoothing, softcap, True if track_argmax else None)
+    flags = _flags(ws, class_weight, label_smoothing, softcap, track_argmax)
     _ce_partial_kernel[(n_rows, ws.segments_per_tile)](
         logits,
         logits.stride(0),
@@ -365,7 +372,8 @@ def ce_finish(
     z_loss_scale: float = 0.0,
     class_weight: torch.Tensor | None = None,
     z_loss_rows: torch.Tensor | None = None,
-    correct_rows: torch.Tensor | None = None,
+    argmax_rows: torch.Tensor | None = None,
+    token_scaling: bool = False,
     grad_scale: torch.Tensor | None = None,
     scale_per_row: bool = False,
 ) -> None:
@@ -386,7 +394,7 @@ def ce_finish(
         grad_scale,
         loss_rows,
         z_loss_rows,
-        correct_rows,
+        argmax_rows,
         n_cols,
         col_offset,
         vocab,
@@ -399,7 +407,8 @@ def ce_finish(
         WRITE_LOSS=write_loss,
         WRITE_GRAD=write_grad,
         SCALE_PER_ROW=scale_per_row,
-        **_flags(ws, class_weight, label_smoothing, softcap, correct_rows),
+        TOKEN_SCALING=token_scaling,
+        **_flags(ws, class_weight, label_smoothing, softcap, argmax_rows is not None),
     )
 
 
@@ -415,7 +424,8 @@ def ce_rows(
     z_loss_scale: float = 0.0,
     class_weight: torch.Tensor | None = None,
     z_loss_rows: torch.Tensor | None = None,
-    correct_rows: torch.Tensor | None = None,
+    argmax_rows: torch.Tensor | None = None,
+    token_scaling: bool = False,
     grad_scale: torch.Tensor | None = None,
     scale_per_row: bool = False,
 ) -> None:
@@ -423,14 +433,15 @@ def ce_rows(
 
     The row-only case: one tile spanning V. ``grad_scale`` (fp32, on the device) is
     ``[scale_ce, scale_z]`` or, with ``scale_per_row``, one scale per row: reading it in the kernel
-    keeps the mean's denominator off the host. ``z_loss_rows`` / ``correct_rows`` receive
-    ``z_loss_scale * lse**2`` and ``argmax == target``. Nothing is checked here: the driver calls
-    it once per chunk.
+    keeps the mean's denominator off the host. ``z_loss_rows`` receives ``z_loss_scale * lse**2``,
+    ``argmax_rows`` (int64) each row's argmax class (-1 where ignored). ``token_scaling`` multiplies
+    each row's loss and gradient by its detached ``p_target``. Nothing is checked here: the driver
+    calls it once per chunk.
     """
     shared = dict(
         ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap, class_weight=class_weight
     )
-    ce_partial(logits, target, workspace, track_argmax=correct_rows is not None, **shared)
+    ce_partial(logits, target, workspace, track_argmax=argmax_rows is not None, **shared)
     ce_finish(
         logits,
         target,
@@ -439,7 +450,8 @@ def ce_rows(
         vocab=logits.shape[1],
         z_loss_scale=z_loss_scale,
         z_loss_rows=z_loss_rows,
-        correct_rows=correct_rows,
+        argmax_rows=argmax_rows,
+        token_scaling=token_scaling,
         grad_scale=grad_scale,
         scale_per_row=scale_per_row,
         **shared,

@@ -41,6 +41,7 @@ class CEParams:
     softcap: float | None = None
     z_loss_scale: float = 0.0
     track_argmax: bool = False
+    token_scaling: bool = False  # each row's loss and gradient times its detached p_target
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,9 @@ class GradRequest:
     weight: bool = False
     bias: bool = False
     accum_dtype: torch.dtype | None = None  # grad_weight accumulator dtype; None = weight dtype
+    #: dtype of the returned grad_weight (an autocast caller's master weight); None = the weight's.
+    #: An fp32 one is accumulated in fp32 directly: no low-precision gradient and cast.
+    weight_dtype: torch.dtype | None = None
 
     @property
     def any(self) -> bool:
@@ -60,9 +64,9 @@ class GradRequest:
 class DriverOutputs(NamedTuple):
     loss_rows: torch.Tensor  # [BT] fp32, class-weighted CE per row (0 where ignored)
     z_loss_rows: torch.Tensor | None  # [BT] fp32
-    correct_rows: torch.Tensor | None  # [BT] fp32, 1.0 where argmax == target
+    argmax_rows: torch.Tensor | None  # [BT] int64, the argmax class (-1 where ignored)
     grad_input: torch.Tensor | None  # [BT, H], input dtype
-    grad_weight: torch.Tensor | None  # [V, H], weight dtype
+    grad_weight: torch.Tensor | None  # [V, H], grads.weight_dtype or the weight's
     grad_bias: torch.Tensor | None  # [V], bias dtype
 
 
@@ -181,11 +185,12 @@ def run_geometry(
     _check_geometry(geometry, x, weight)
     tokens, vocab = x.shape[0], weight.shape[0]
     device, f32 = x.device, torch.float32
-    accum_dtype = weight.dtype if geometry.writes_weight_grad_once else grads.accum_dtype or weight.dtype
+    weight_dtype = grads.weight_dtype or weight.dtype
+    accum_dtype = getattr(torch, geometry.accumulator_dtype(grads.accum_dtype, grads.weight_dtype))
     outputs = DriverOutputs(
         loss_rows=torch.empty(tokens, dtype=f32, device=device),
         z_loss_rows=torch.empty(tokens, dtype=f32, device=device) if params.z_loss_scale else None,
-        correct_rows=torch.empty(tokens, dtype=f32, device=device) if params.track_argmax else None,
+        argmax_rows=torch.empty(tokens, dtype=torch.int64, device=device) if params.track_argmax else None,
         grad_input=torch.empty_like(x) if grads.input else None,
         grad_weight=torch.empty(weight.shape, dtype=accum_dtype, device=device) if grads.weight else None,
         grad_bias=torch.zeros(vocab, dtype=f32, device=device) if grads.bias else None,
@@ -194,8 +199,8 @@ def run_geometry(
     (_run_rows if geometry.is_row_only else run_vocab_tiled)(call, outputs)
     # run() has returned, so its slab is freed before a cast allocates a second grad_weight.
     grad_weight, grad_bias = outputs.grad_weight, outputs.grad_bias
-    if grad_weight is not None and grad_weight.dtype != weight.dtype:
-        grad_weight = grad_weight.to(weight.dtype)
+    if grad_weight is not None and grad_weight.dtype != weight_dtype:
+        grad_weight = grad_weight.to(weight_dtype)
     if grad_bias is not None and bias is not None:
         grad_bias = grad_bias.to(bias.dtype)
     return outputs._replace(grad_weight=grad_weight, grad_bias=grad_bias)
@@ -204,7 +209,7 @@ def run_geometry(
 def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
     """The row-only loop: one [chunk_size, V] slab, three GEMMs per chunk."""
     x, weight, bias, target, geometry, params, grads, class_weight, grad_scale, scale_per_row = call
-    loss_rows, z_loss_rows, correct_rows, grad_input, grad_weight, grad_bias = outputs
+    loss_rows, z_loss_rows, argmax_rows, grad_input, grad_weight, grad_bias = outputs
     tokens, chunk_size = x.shape[0], geometry.chunk_size
     slab = torch.empty((chunk_size, geometry.vocab_chunk), dtype=x.dtype, device=x.device)
     workspace = ce_workspace(chunk_size, geometry.vocab_chunk, x.device)
@@ -230,7 +235,8 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
             z_loss_scale=params.z_loss_scale,
             class_weight=class_weight,
             z_loss_rows=None if z_loss_rows is None else z_loss_rows[start:stop],
-            correct_rows=None if correct_rows is None else correct_rows[start:stop],
+            argmax_rows=None if argmax_rows is None else argmax_rows[start:stop],
+            token_scaling=params.token_scaling,
             grad_scale=None if not grads.any else grad_scale[start:stop] if scale_per_row else grad_scale,
             scale_per_row=scale_per_row,
         )

@@ -12,8 +12,10 @@ __all__ = ["InputAccumulator"]
 
 
 def _as_fp32(buffer: torch.Tensor, rows: int, hidden: int) -> torch.Tensor:
-    """The first ``rows x hidden`` fp32 values that fit in a contiguous half-precision ``buffer``."""
-    return buffer.reshape(-1)[: rows * hidden * 2].view(torch.float32).view(rows, hidden)
+    """The first ``rows x hidden`` fp32 values that fit in a contiguous ``buffer`` (half precision, or an
+    fp32 master's grad_weight under autocast)."""
+    elements = rows * hidden * 4 // buffer.element_size()
+    return buffer.reshape(-1)[:elements].view(torch.float32).view(rows, hidden)
 
 
 class InputAccumulator:

@@ -99,17 +99,18 @@ class _TiledRun:
                 self.workspace,
                 col_offset=start,
                 first_tile=tile_index == 0,
-                track_argmax=self.outputs.correct_rows is not None,
+                track_argmax=self.outputs.argmax_rows is not None,
                 **self.shared,
             )
 
     def finish_options(self, rows: slice, scale_per_row: bool) -> dict:
-        z_loss_rows, correct_rows = self.outputs.z_loss_rows, self.outputs.correct_rows
+        z_loss_rows, argmax_rows = self.outputs.z_loss_rows, self.outputs.argmax_rows
         return dict(
             vocab=self.weight.shape[0],
             z_loss_scale=self.params.z_loss_scale,
             z_loss_rows=None if z_loss_rows is None else z_loss_rows[rows],
-            correct_rows=None if correct_rows is None else correct_rows[rows],
+            argmax_rows=None if argmax_rows is None else argmax_rows[rows],
+            token_scaling=self.params.token_scaling,
             scale_per_row=scale_per_row,
             **self.shared,
         )

@@ -76,7 +76,7 @@ def loss_and_grads(x, w, y, *, policy=None, fallback="default", reduction="mean"
     else:
         geometry = policy
     args = (xr, wr, None, y, None, geometry, LossOptions(reduction=reduction), True)
-    loss, _, _ = FLCEFunction.apply(*args) if fallback == "default" else FLCEFunction.apply(*args, fallback)
+    loss, *_ = FLCEFunction.apply(*args) if fallback == "default" else FLCEFunction.apply(*args, fallback)
     loss.backward(grad_output)
     return loss.detach(), (xr.grad, wr.grad)
 
@@ -234,7 +234,7 @@ def test_reduction_none_backward_falls_back_on_its_own():
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
     problem = problem_of(x, w)
     geometry, fallback = policy.resolve(problem, HERE), policy.oom_fallback_for(problem, HERE)
-    loss, _, _ = FLCEFunction.apply(xr, wr, None, y, None, geometry, LossOptions(reduction="none"), True, fallback)
+    loss, *_ = FLCEFunction.apply(xr, wr, None, y, None, geometry, LossOptions(reduction="none"), True, fallback)
     with warnings.catch_warnings(record=True) as record, inject_oom(above_rows=8) as faults:
         warnings.simplefilter("always")
         loss.backward(g)  # the forward had the memory; the recomputation in backward does not
