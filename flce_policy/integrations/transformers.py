@@ -1,0 +1,248 @@
+"""Hugging Face transformers: train a causal LM through the fused loss with one call, :func:`apply_flce`.
+
+The patch keeps the model's own forward. In training with labels, the model's ``lm_head`` (its
+output embeddings) is asked, for that one call, to compute the loss of the hidden states it is
+given instead of their logits, and to return empty logits; everything the family's forward does
+around it (the body, ``logits_to_keep``, MoE router losses, its output class) runs unchanged.
+The loss is computed inside the head module's own call, so the hooks that FSDP2 or DeepSpeed
+attach to that module have gathered its weight. Without labels, or in ``eval()`` mode, the
+original forward runs and returns the logits.
+
+:func:`causal_lm_loss` is the loss alone: HF's ``ForCausalLMLoss`` on hidden states.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flce_policy.integrations.hf_families import LogitTransform, logit_transform
+from flce_policy.loss import FLCEOutput, fused_linear_cross_entropy
+from flce_policy.options import LossOptions
+
+__all__ = ["apply_flce", "causal_lm_loss", "remove_flce", "FLCE_OUTPUT_FIELDS"]
+
+#: Extra fields an ``apply_flce`` model's output carries when their option is set (TRL reads token_accuracy).
+FLCE_OUTPUT_FIELDS = ("z_loss", "token_accuracy", "predicted_tokens")
+#: Loss options the causal-LM loss decides itself (HF's semantics): not accepted as options.
+_FIXED_OPTIONS = ("reduction", "ignore_index")
+
+
+def causal_lm_loss(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    *,
+    shift_labels: torch.Tensor | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    logit_scale: float = 1.0,
+    policy: Any = None,
+    **loss_options: Any,
+) -> torch.Tensor | FLCEOutput:
+    """HF's ``ForCausalLMLoss(lm_head(hidden_states) * logit_scale, labels, ...)`` without the logits.
+
+    ``labels [B, T]`` are padded with ``ignore_index`` and shifted by one, as HF does (position t
+    predicts label t+1); ``shift_labels``, when given, are used as they are instead (as HF does). With ``num_items_in_batch``
+    (the non-ignored tokens of the whole accumulated batch, as HF Trainer passes it) the summed loss
+    is divided by it, else the mean over this call's non-ignored tokens is taken. A tensor
+    ``num_items_in_batch`` stays on the device (no host sync). ``logit_scale`` multiplies the
+    logits (Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``), applied exactly by scaling
+    the hidden states. Other keywords go to :func:`~flce_policy.fused_linear_cross_entropy`
+    (``softcap``, ``z_loss_scale``, ``use_token_scaling``, ``return_token_accuracy``, ...);
+    ``reduction`` is HF's and not an option here.
+    """
+    for name in _FIXED_OPTIONS[:1]:
+        if name in loss_options:
+            raise TypeError(f"causal_lm_loss takes no {name!r}: HF's semantics fix it (sum / num_items_in_batch or mean)")
+    if labels is None and shift_labels is None:
+        raise ValueError("causal_lm_loss needs labels (shifted here) or shift_labels (used as given, as HF does)")
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    shift_labels = shift_labels.to(hidden_states.device)
+    if logit_scale != 1.0:
+        if bias is not None:
+            raise ValueError("a logit scale with an lm_head bias is not linear in the hidden states; not supported")
+        hidden_states = hidden_states * logit_scale
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    out = fused_linear_cross_entropy(
+        hidden_states, weight, shift_labels, bias, policy=policy, ignore_index=ignore_index, reduction=reduction,
+        **loss_options,
+    )
+    if num_items_in_batch is None:
+        return out
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.to(hidden_states.device)
+    if isinstance(out, FLCEOutput):
+        z_loss = None if out.z_loss is None else out.z_loss / num_items_in_batch
+        return out._replace(loss=out.loss / num_items_in_batch, z_loss=z_loss)
+    return out / num_items_in_batch
+
+
+@dataclasses.dataclass
+class _Patch:
+    """What ``apply_flce`` keeps on the model: the settings, the original forward, pending head calls."""
+
+    policy: Any
+    options: dict[str, Any]
+    transform: LogitTransform
+    original_forward: Any
+    pending: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+def apply_flce(model: nn.Module, policy: Any = None, **loss_options: Any) -> nn.Module:
+    """Patch ``model`` (this instance) so that training with labels computes its loss through FLCE.
+
+    ``model`` is a transformers ``*ForCausalLM`` (a PEFT model is unwrapped to its base model).
+    In ``train()`` mode with ``labels`` or ``shift_labels``, the forward returns HF's loss
+    (``num_items_in_batch`` honoured, MoE router loss added as HF does, Gemma's softcap and
+    Cohere/Granite logit scales applied) with ``logits=None``: the ``[B, T, V]`` logits are never
+    made. Otherwise the original forward runs. ``policy`` and ``loss_options`` (``z_loss_scale``,
+    ``use_token_scaling``, ``return_token_accuracy``, ``return_predicted_tokens``, ``accum_dtype``,
+    ...) go to :func:`causal_lm_loss`; returned extras land on the output as ``token_accuracy``,
+    ``z_loss``, ``predicted_tokens``. Applying it again replaces the settings. Returns ``model``.
+    """
+    base = _unwrap(model)
+    for name in _FIXED_OPTIONS + ("softcap", "bias", "class_weight"):
+        if name in loss_options:
+            raise TypeError(
+                f"apply_flce takes no {name!r}: it follows the model ({'HF loss semantics' if name in _FIXED_OPTIONS else 'its config and lm_head'})"
+            )
+    LossOptions(**loss_options)  # bad option names or values fail here, not at the first step
+    transform = logit_transform(base.config)
+    _output_embeddings(base)  # a model without an lm_head fails now
+    previous = getattr(base, "_flce_patch", None)
+    original = previous.original_forward if previous is not None else base.forward
+    patch = _Patch(policy, dict(loss_options), transform, original)
+    base._flce_patch = patch
+    base.forward = _patched_forward(base, patch)
+    _intercept_head(base, patch)  # now, not inside a (possibly compiled) first step
+    return model
+
+
+def remove_flce(model: nn.Module) -> nn.Module:
+    """Undo :func:`apply_flce` on this instance (the forward and the head's forward become the originals)."""
+    base = _unwrap(model)
+    patch = base.__dict__.pop("_flce_patch", None)
+    if patch is not None:
+        base.__dict__.pop("forward", None)
+        head = base.get_output_embeddings()
+        if head is not None:
+            for name in ("forward", "_flce_head", "_flce_original_forward"):
+                head.__dict__.pop(name, None)
+    return model
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    # PEFT's PeftModel forwards to its base model's forward; patching the base covers both.
+    get_base = getattr(model, "get_base_model", None)
+    base = get_base() if callable(get_base) and type(model).__name__.startswith("Peft") else model
+    if not hasattr(base, "config") or not callable(getattr(base, "get_output_embeddings", None)):
+        raise TypeError(
+            f"apply_flce needs a transformers *ForCausalLM model (with .config and get_output_embeddings()), "
+            f"got {type(model).__name__}"
+        )
+    return base
+
+
+def _output_embeddings(base: nn.Module) -> nn.Module:
+    head = base.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    if head is None or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise TypeError(
+            f"{type(base).__name__}.get_output_embeddings() returned {type(head).__name__}, not a linear LM head "
+            "with a [V, H] weight: apply_flce cannot compute this model's loss"
+        )
+    return head
+
+
+def _patched_forward(base: nn.Module, patch: _Patch) -> Any:
+    @functools.wraps(patch.original_forward)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        labels, shift_labels = kwargs.get("labels"), kwargs.get("shift_labels")
+        if not base.training or (labels is None and shift_labels is None):
+            return patch.original_forward(*args, **kwargs)
+        call = {
+            "labels": kwargs.pop("labels", None),
+            "shift_labels": kwargs.pop("shift_labels", None),
+            "num_items_in_batch": kwargs.get("num_items_in_batch"),
+        }
+        _intercept_head(base, patch)
+        patch.pending.append(call)
+        try:
+            out = patch.original_forward(*args, **kwargs)
+        finally:
+            patch.pending.pop()
+        if "result" not in call:
+            raise RuntimeError(
+                f"{type(base).__name__}.forward never called its lm_head (get_output_embeddings()), so apply_flce "
+                "computed no loss; this model's forward does not have HF's standard shape"
+            )
+        return _with_loss(base, out, call["result"])
+
+    return forward
+
+
+def _intercept_head(base: nn.Module, patch: _Patch) -> None:
+    """Give the current head (looked up per call: PEFT or wrappers may replace it) the loss-computing forward."""
+    head = _output_embeddings(base)
+    if head.__dict__.get("_flce_head") is patch:
+        return
+    # a head patched by an earlier apply_flce keeps its true original, not a chain of patches
+    original = head.__dict__.get("_flce_original_forward", head.forward)
+
+    def head_forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not patch.pending:
+            return original(hidden_states, *args, **kwargs)
+        call = patch.pending[-1]
+        if "result" in call:
+            raise RuntimeError(
+                f"{type(base).__name__}.forward called its lm_head twice in one step; apply_flce supports one call"
+            )
+        call["result"] = causal_lm_loss(
+            hidden_states,
+            head.weight,
+            call["labels"],
+            getattr(head, "bias", None),
+            shift_labels=call["shift_labels"],
+            num_items_in_batch=call["num_items_in_batch"],
+            softcap=patch.transform.softcap,
+            logit_scale=patch.transform.scale,
+            policy=patch.policy,
+            **patch.options,
+        )
+        # Empty logits: whatever the family does to them next (softcap, slicing) costs nothing.
+        return hidden_states.new_empty((*hidden_states.shape[:-1], 0))
+
+    head.forward = head_forward
+    head._flce_head = patch
+    head._flce_original_forward = original
+
+
+def _with_loss(base: nn.Module, out: Any, result: torch.Tensor | FLCEOutput) -> Any:
+    """HF's output of the call, with the fused loss (plus HF's MoE router loss) and no logits."""
+    loss = result.loss if isinstance(result, FLCEOutput) else result
+    if isinstance(out, tuple):  # return_dict=False: HF's tuple with the loss first and no logits
+        return (loss, *out[1:])
+    aux_loss = getattr(out, "aux_loss", None)
+    if aux_loss is not None:
+        # HF adds the router load-balancing loss to the LM loss when it computed one
+        coef = getattr(base, "router_aux_loss_coef", None)
+        if coef is None:
+            coef = base.config.router_aux_loss_coef
+        loss = loss + coef * aux_loss.to(loss.device)
+    # A new output of the family's class: ModelOutput drops a None field only when it is built.
+    fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
+    new = type(out)(loss=loss, **fields)
+    if isinstance(result, FLCEOutput):
+        for name in FLCE_OUTPUT_FIELDS:
+            value = getattr(result, name)
+            if value is not None:
+                new[name] = value
+    return new

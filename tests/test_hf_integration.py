@@ -1,0 +1,260 @@
+"""apply_flce on tiny HF causal LMs of each family, against HF's own loss path on the same weights.
+
+The reference is the unpatched model (HF's ``ForCausalLMLoss`` on materialised logits), in fp32;
+the patched copy must give the same loss and the same gradient for every parameter.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from flce_policy.integrations.hf_families import FAMILIES  # noqa: E402
+from flce_policy.integrations.transformers import apply_flce, causal_lm_loss, remove_flce  # noqa: E402
+from flce_policy.kernels.ce_kernel import KERNELS_INTERPRETED  # noqa: E402
+
+DEVICE = "cpu" if KERNELS_INTERPRETED else "cuda"
+pytestmark = pytest.mark.skipif(
+    DEVICE == "cuda" and not torch.cuda.is_available(), reason="the kernels were compiled and there is no CUDA GPU"
+)
+
+VOCAB, SEQ = 96, 9
+TOL = 2e-5  # fp32 kernel vs fp32 eager, max-norm relative
+
+#: model_type -> config overrides that exercise the family's own logit handling
+FAMILY_CONFIGS = {
+    "llama": {},
+    "mistral": {},
+    "mixtral": {"output_router_logits": True, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2": {},
+    "qwen3": {},
+    "qwen3_moe": {"output_router_logits": True, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    "gemma": {},
+    "gemma2": {"final_logit_softcapping": 5.0},
+    "gemma3_text": {"final_logit_softcapping": 5.0},
+    "phi3": {},
+    "olmo2": {},
+    "cohere": {"logit_scale": 0.5},
+    "cohere2": {"logit_scale": 0.5},
+    "granite": {"logits_scaling": 2.0},
+    "granitemoe": {"logits_scaling": 2.0, "output_router_logits": True, "num_local_experts": 4, "num_experts_per_tok": 2},
+}
+
+
+def tiny_config(model_type: str, **overrides):
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return transformers.AutoConfig.for_model(model_type, **{**base, **FAMILY_CONFIGS.get(model_type, {}), **overrides})
+
+
+def model_pair(model_type: str, seed: int = 0, **overrides):
+    """(HF reference, patched copy with the same weights), both fp32 in train mode."""
+    torch.manual_seed(seed)
+    ref = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides)).float().to(DEVICE)
+    ref.train()
+    patched = apply_flce(copy.deepcopy(ref))
+    return ref, patched
+
+
+def batch(seed: int = 0, rows: int = 2, ignored: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (rows, SEQ), generator=g)
+    labels = ids.clone()
+    labels[0, :ignored] = -100  # a prompt that is not trained on
+    return ids.to(DEVICE), labels.to(DEVICE)
+
+
+def rel_err(a: torch.Tensor, e: torch.Tensor) -> float:
+    a, e = a.detach().double(), e.detach().double()
+    return ((a - e).abs().max() / e.abs().max().clamp_min(1e-30)).item()
+
+
+def assert_same_training_step(ref, patched, **inputs):
+    expected, got = ref(**inputs), patched(**inputs)
+    assert got.logits is None, "the patched training forward must not return logits"
+    assert rel_err(got.loss, expected.loss) < TOL, (got.loss.item(), expected.loss.item())
+    expected.loss.backward()
+    got.loss.backward()
+    named = dict(patched.named_parameters())
+    checked = 0
+    for name, p in ref.named_parameters():
+        if p.grad is None:
+            assert named[name].grad is None or not named[name].grad.any(), name
+            continue
+        assert rel_err(named[name].grad, p.grad) < TOL, f"grad of {name}"
+        checked += 1
+    assert checked >= 10
+    return got
+
+
+def test_family_table_is_what_is_tested():
+    assert set(FAMILIES) == set(FAMILY_CONFIGS)
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILY_CONFIGS))
+def test_family_matches_hf_loss_and_every_gradient(model_type):
+    ref, patched = model_pair(model_type)
+    ids, labels = batch()
+    out = assert_same_training_step(ref, patched, input_ids=ids, labels=labels)
+    assert type(out) is type(ref(input_ids=ids, labels=labels))
+    if FAMILY_CONFIGS[model_type].get("output_router_logits"):
+        assert out.aux_loss is not None  # HF's router loss is part of the loss checked above
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "qwen3_moe"])
+def test_num_items_in_batch_and_shift_labels(model_type):
+    ref, patched = model_pair(model_type)
+    ids, labels = batch(1)
+    num_items = torch.tensor(40, device=DEVICE)  # the whole accumulated batch's tokens, not this call's
+    assert_same_training_step(ref, patched, input_ids=ids, labels=labels, num_items_in_batch=num_items)
+    ref.zero_grad()
+    patched.zero_grad()
+    shift = torch.roll(labels, -1, dims=1)
+    shift[:, -1] = -100
+    shift[1, 2] = -100
+    # HF computes a loss only with labels, and then takes shift_labels (context parallelism) as given
+    assert_same_training_step(ref, patched, input_ids=ids, labels=labels, shift_labels=shift)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_without_labels_and_in_eval_the_logits_are_hf_own(model_type):
+    ref, patched = model_pair(model_type)
+    ids, labels = batch(2)
+    with torch.no_grad():
+        assert torch.equal(patched(input_ids=ids).logits, ref(input_ids=ids).logits)
+        ref.eval()
+        patched.eval()
+        got, expected = patched(input_ids=ids, labels=labels), ref(input_ids=ids, labels=labels)
+    assert torch.equal(got.logits, expected.logits)
+    assert torch.equal(got.loss, expected.loss)
+
+
+def test_gradient_accumulation_equals_one_batch():
+    # 4 micro-batches, each divided by the whole batch's token count, give one batch's gradient
+    ref, patched = model_pair("llama", seed=3)
+    ids, labels = batch(4, rows=8, ignored=5)
+    ref(input_ids=ids, labels=labels).loss.backward()  # HF, one batch: mean over all its tokens
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+    num_items = (shifted != -100).sum()
+    for i in range(4):
+        rows = slice(2 * i, 2 * i + 2)
+        patched(input_ids=ids[rows], labels=labels[rows], num_items_in_batch=num_items).loss.backward()
+    named = dict(patched.named_parameters())
+    for name, p in ref.named_parameters():
+        assert rel_err(named[name].grad, p.grad) < TOL, name
+
+
+def test_token_accuracy_and_predicted_tokens_on_the_output():
+    ref, _ = model_pair("gemma2")
+    patched = apply_flce(copy.deepcopy(ref), return_token_accuracy=True, return_predicted_tokens=True)
+    ids, labels = batch(5)
+    out = patched(input_ids=ids, labels=labels)
+    with torch.no_grad():
+        logits = ref(input_ids=ids).logits
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+    valid = shifted != -100
+    predicted = torch.where(valid, logits.argmax(-1), -1)
+    assert torch.equal(out.predicted_tokens, predicted)
+    accuracy = ((predicted == shifted) & valid).sum() / valid.sum()
+    assert abs(out.token_accuracy.item() - accuracy.item()) < 1e-6
+
+
+def test_causal_lm_loss_is_hf_for_causal_lm_loss():
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    g = torch.Generator().manual_seed(6)
+    hidden = torch.randn(3, 7, 16, generator=g).to(DEVICE)
+    weight = (torch.randn(VOCAB, 16, generator=g) / 4).to(DEVICE)
+    labels = torch.randint(0, VOCAB, (3, 7), generator=g).to(DEVICE)
+    labels[1, 4:] = -100
+    logits = hidden @ weight.T
+    for num_items in (None, torch.tensor(11, device=DEVICE), 11):
+        expected = ForCausalLMLoss(logits, labels, VOCAB, num_items_in_batch=num_items)
+        got = causal_lm_loss(hidden, weight, labels, num_items_in_batch=num_items)
+        assert rel_err(got, expected) < TOL
+
+
+def test_autocast_fp32_master_weights():
+    # HF Trainer bf16=True on an fp32 model: the loss runs in bf16, gradients come back fp32
+    ref, patched = model_pair("llama", seed=7)
+    ids, labels = batch(7)
+    expected = ref(input_ids=ids, labels=labels)  # fp32 reference
+    expected.loss.backward()
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        got = patched(input_ids=ids, labels=labels)
+    got.loss.backward()
+    assert got.loss.dtype == torch.float32
+    assert rel_err(got.loss, expected.loss) < 2e-2
+    named = dict(patched.named_parameters())
+    for name, p in ref.named_parameters():
+        assert named[name].grad.dtype == torch.float32
+    head = patched.lm_head.weight.grad
+    assert rel_err(head, ref.lm_head.weight.grad) < 5e-2
+
+
+def test_generic_family_and_clear_refusals():
+    # An unlisted model_type with HF's standard forward shape goes through the generic path.
+    ref, patched = model_pair("llama", seed=8)
+    ids, labels = batch(8)
+    patched.config.model_type = "my_llama_variant"
+    apply_flce(patched)
+    assert_same_training_step(ref, patched, input_ids=ids, labels=labels)
+
+    patched.config.logit_scale = 0.3  # an unknown family that scales its logits: refused, not guessed
+    with pytest.raises(ValueError, match=r"does not know how model_type='my_llama_variant' applies logit_scale"):
+        apply_flce(patched)
+    with pytest.raises(TypeError, match=r"needs a transformers \*ForCausalLM"):
+        apply_flce(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match=r"takes no 'reduction'"):
+        apply_flce(ref, reduction="sum")
+    with pytest.raises(ValueError, match=r"label_smoothing"):
+        apply_flce(ref, label_smoothing=2.0)
+
+
+def test_remove_flce_restores_hf_forward():
+    ref, patched = model_pair("llama", seed=9)
+    ids, labels = batch(9)
+    remove_flce(patched)
+    out = patched(input_ids=ids, labels=labels)
+    assert out.logits is not None
+    assert torch.equal(out.loss, ref(input_ids=ids, labels=labels).loss)
+
+
+def test_hf_trainer_passes_num_items_in_batch():
+    pytest.importorskip("accelerate")
+    from transformers import Trainer, TrainingArguments
+
+    _, patched = model_pair("llama", seed=10)
+    seen = []
+    original = patched.forward
+
+    @functools.wraps(original)  # the Trainer reads the forward's signature
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("num_items_in_batch"))
+        return original(*args, **kwargs)
+
+    patched.forward = spy
+    ids, labels = batch(10, rows=4)
+    rows = [{"input_ids": i, "labels": lab} for i, lab in zip(ids.cpu(), labels.cpu(), strict=True)]
+    args = TrainingArguments(
+        output_dir="/tmp/flce-trainer-test", per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        max_steps=1, report_to=[], use_cpu=DEVICE == "cpu", save_strategy="no", logging_steps=1,
+    )
+    Trainer(model=patched, args=args, train_dataset=rows).train()
+    assert seen and all(n is not None for n in seen)
