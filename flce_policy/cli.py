@@ -121,6 +121,12 @@ def _build_parser() -> _Parser:
     explain.add_argument(
         "--param", action="append", default=[], metavar="KEY=VALUE", help="a --strategy parameter, read as YAML (c=16)"
     )
+    explain.add_argument(
+        "--master-dtype",
+        metavar="DTYPE",
+        help="the LM head's own dtype under autocast (e.g. float32 master weights with --dtype bfloat16): "
+        "the predicted peak holds its low-precision copy and its gradient",
+    )
     explain.add_argument("--json", action="store_true", help="JSON on stdout")
     explain.set_defaults(run=_cmd_explain)
 
@@ -236,9 +242,9 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     if device is None:
         _print_table(policy, problem, _known_devices(), as_json=args.json, title=title)
     elif args.json:
-        _print_json(policy.explain_dict(problem, device))
+        _print_json(policy.explain_dict(problem, device, master_dtype=args.master_dtype))
     else:
-        _console().print(policy.explain(problem, device))
+        _console().print(policy.explain(problem, device, master_dtype=args.master_dtype))
     return 0
 
 

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 from flce_policy.accumulator import accumulator_layout, narrow_step_rows
 from flce_policy.geometry import Geometry
-from flce_policy.problem import DTYPE_ITEMSIZE, Problem
+from flce_policy.problem import DTYPE_ITEMSIZE, Problem, normalise_dtype
 from flce_policy.units import format_bytes
 
 __all__ = ["MemoryEstimate", "predict_peak", "held_beside_slab"]
@@ -38,20 +38,30 @@ def predict_peak(
     weight_grad: bool = True,
     bias: bool = False,
     accum_dtype: str | None = None,
+    master_dtype: str | None = None,
+    input_dtype: str | None = None,
 ) -> MemoryEstimate:
     """Peak transient bytes when the driver runs ``geometry`` (mean/sum reduction, training).
 
     ``accum_dtype`` is the grad_weight accumulator ("float32", ...; None = the geometry's planned one,
-    :meth:`Geometry.accum_itemsize`).
+    :meth:`Geometry.accum_itemsize`). ``master_dtype`` / ``input_dtype`` are the weight's and the
+    hidden states' own dtypes under autocast when they differ from the problem's (compute) dtype:
+    the call then holds their compute-dtype copies, and returns gradients in their dtypes (an fp32
+    master's accumulated in fp32 directly).
     Two phases: the chunk loop holds the slab; after it, an accumulator of another dtype is cast
     to the weight dtype, so both copies live at once, but the slab is already freed. The peak
     is the larger phase, and ``terms`` are that phase's. Kernel scratch (row partials, a few
     bytes per row and tile) is left out: well under 1% of any slab.
     """
     p = geometry.problem
-    accum_itemsize = geometry.accum_itemsize(accum_dtype)
+    accum_itemsize = geometry.accum_itemsize(accum_dtype, master_dtype)
     held = _held(p, input_grad=input_grad, weight_grad=weight_grad, bias=bias, accum_itemsize=accum_itemsize)
-    loop = {"slab": geometry.slab_bytes, **held}
+    weight_elems = p.vocab * p.hidden
+    copies = {
+        "weight_copy": weight_elems * p.itemsize if _differs(master_dtype, p) else 0,
+        "input_copy": p.tokens * p.hidden * p.itemsize if _differs(input_dtype, p) else 0,
+    }
+    loop = {"slab": geometry.slab_bytes, **held, **copies}
     layout = accumulator_layout(geometry, input_grad=input_grad, weight_grad=weight_grad)
     if layout.separate:
         # vocab tiles add into grad_input across the tiles; the rows of the fp32 accumulator
@@ -60,13 +70,20 @@ def predict_peak(
     if layout.in_grad_input:
         step_rows = min(narrow_step_rows(p.hidden, p.itemsize), layout.in_grad_input)
         loop["narrowing_step"] = step_rows * p.hidden * p.itemsize
-    weight_elems = p.vocab * p.hidden
+    master_itemsize = DTYPE_ITEMSIZE[normalise_dtype(master_dtype)] if master_dtype else p.itemsize
+    input_itemsize = DTYPE_ITEMSIZE[normalise_dtype(input_dtype)] if input_dtype else p.itemsize
     cast = {
         **held,
-        "grad_weight_cast": weight_elems * p.itemsize if weight_grad and accum_itemsize != p.itemsize else 0,
+        **copies,
+        "grad_weight_cast": weight_elems * master_itemsize if weight_grad and accum_itemsize != master_itemsize else 0,
+        "grad_input_cast": p.tokens * p.hidden * input_itemsize if input_grad and _differs(input_dtype, p) else 0,
     }
     peak = max((loop, cast), key=lambda terms: sum(terms.values()))
     return MemoryEstimate(sum(peak.values()), peak)
+
+
+def _differs(dtype: str | None, problem: Problem) -> bool:
+    return dtype is not None and normalise_dtype(dtype) != problem.dtype
 
 
 def held_beside_slab(

@@ -278,19 +278,25 @@ class FLCEPolicy:
 
     # --- explaining ------------------------------------------------------------------------------
 
-    def explain_dict(self, problem: Problem, device: DeviceInfo | None = None) -> dict[str, Any]:
-        """The decision as JSON-ready data: device, problem, policy source, rule, strategy, geometry."""
+    def explain_dict(
+        self, problem: Problem, device: DeviceInfo | None = None, *, master_dtype: str | None = None
+    ) -> dict[str, Any]:
+        """The decision as JSON-ready data: device, problem, policy source, rule, strategy, geometry.
+
+        ``master_dtype``: the LM head's own dtype under autocast (e.g. "float32" master weights with
+        a bfloat16 problem); the predicted peak then holds its low-precision copy and its gradient.
+        """
         if device is None:
             device = self._probe()
         geometry = self.resolve(problem, device)
         _, strategy = self.resolve_rule(device)
         accum_dtype = geometry.accum_dtype
-        peak = predict_peak(geometry)
+        peak = predict_peak(geometry, master_dtype=master_dtype)
         rates = strategy.planned_rates(device)
         predicted = predict_seconds(geometry, rates)
         # Low-precision roundings of the running grad_weight: one per row chunk, or one cast of an
         # fp32 accumulator.
-        weight_grad_steps = 1 if accum_dtype == "float32" else geometry.num_chunks
+        weight_grad_steps = 1 if geometry.accumulator_dtype(None, master_dtype) == "float32" else geometry.num_chunks
         return {
             "device": {**device.model_dump(mode="json"), "description": device.describe()},
             "problem": problem.model_dump(mode="json"),
@@ -309,6 +315,7 @@ class FLCEPolicy:
             "predicted_peak": peak.describe(),
             "predicted_ms": round(predicted.seconds * 1e3, 3),
             "accum_dtype": accum_dtype,
+            "master_dtype": master_dtype,
             "rates": {"matmul_flops": rates.matmul_flops, "hbm_bytes_per_s": rates.hbm_bytes_per_s},
             "weight_grad_low_precision_steps": weight_grad_steps,
             "summary": geometry.describe(),
@@ -317,9 +324,9 @@ class FLCEPolicy:
             "min_chunk_size": self.min_chunk_size,
         }
 
-    def explain(self, problem: Problem, device: DeviceInfo | None = None) -> str:
+    def explain(self, problem: Problem, device: DeviceInfo | None = None, *, master_dtype: str | None = None) -> str:
         """A readable account of the decision for ``problem`` on ``device`` (probed when None)."""
-        d = self.explain_dict(problem, device)
+        d = self.explain_dict(problem, device, master_dtype=master_dtype)
         params = ", ".join(f"{k}={v!r}" for k, v in d["params"].items()) or "no parameters"
         when = "; asked again on every call (it reads free memory)" if d["dynamic"] else ""
         oom = (
@@ -329,6 +336,8 @@ class FLCEPolicy:
         )
         rates_text = f"{d['rates']['matmul_flops'] / 1e12:.0f} TFLOP/s, {d['rates']['hbm_bytes_per_s'] / 1e12:.2f} TB/s"
         accum = "" if d["accum_dtype"] is None else f" and grad_weight accumulated in {d['accum_dtype']} (planned)"
+        if master_dtype is not None:
+            accum += f", under autocast over a {master_dtype} weight (its {problem.dtype} copy and its gradient included)"
         lines = [
             ("Device", d["device"]["description"]),
             ("Problem", problem.describe()),

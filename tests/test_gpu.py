@@ -310,3 +310,50 @@ def test_a_scaled_loss_backward_scales_in_place_without_a_host_sync():
     for got, base in ((xr.grad, plain[1]), (wr.grad, plain[2])):
         exact = base.double() * 3
         assert ((got.double() - exact).abs() <= exact.abs() * 2.0**-7).all()
+
+
+@pytest.mark.parametrize("hidden_dtype", [torch.bfloat16, torch.float32], ids=["bf16_hidden", "fp32_hidden"])
+def test_autocast_over_fp32_master_weight_peaks_as_predicted(hidden_dtype):
+    """bf16 autocast, fp32 LM head (HF Trainer bf16=True on an fp32 model): the loss computes in
+    bf16, grad_weight comes back fp32 (accumulated in fp32, no bf16 gradient + cast), the peak is
+    the memory model's (the bf16 call's + the weight's bf16 copy + the wider gradient), and the
+    gradients are as accurate as the bf16 call's."""
+    from flce_policy import FLCEPolicy, fused_linear_cross_entropy
+    from flce_policy.memory import predict_peak
+    from flce_policy.probe import device_for_tensor_device
+    from flce_policy.problem import Problem
+
+    shape = (8192, 4096, 131072)
+    x, w, y = make_inputs(*shape, torch.bfloat16, seed=5)
+    policy = FLCEPolicy.default()
+    geometry = policy.resolve(Problem(*shape), device_for_tensor_device(x.device))
+    master = w.float().requires_grad_()
+    hidden = x.to(hidden_dtype).requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = fused_linear_cross_entropy(hidden, master, y, policy=policy)
+    loss.backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    input_dtype = None if hidden_dtype == torch.bfloat16 else "float32"
+    predicted = predict_peak(geometry, master_dtype="float32", input_dtype=input_dtype).total_bytes
+    ref_loss, ref_gx, ref_gw = reference_loss_and_grads(x, w, y, compute_dtype=torch.float32)
+    record = {
+        "test": "autocast_fp32_master",
+        "hidden_dtype": str(hidden_dtype),
+        "shape": shape,
+        "geometry": geometry.describe(),
+        "peak_bytes": peak,
+        "predicted_peak_bytes": predicted,
+        "bf16_call_predicted_peak_bytes": predict_peak(geometry).total_bytes,
+        "grad_input_rel_l2": rel_l2(hidden.grad, ref_gx),
+        "grad_weight_rel_l2": rel_l2(master.grad, ref_gw),
+        "loss_rel": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
+    }
+    _report(record)
+    assert master.grad.dtype == torch.float32 and hidden.grad.dtype == hidden_dtype
+    assert abs(predicted / peak - 1) < 0.03, record
+    assert record["grad_weight_rel_l2"] < 0.01 and record["grad_input_rel_l2"] < 0.01, record
+    assert record["loss_rel"] < 1e-3, record

@@ -1,0 +1,82 @@
+"""Train tiny HF models for N AdamW steps twice — HF's own loss and apply_flce — and compare every step's loss.
+
+    python -m flce_policy.benchmarks.hf_train_check --out DIR [--steps 50]
+
+A tiny Llama and a tiny Gemma-3 (final_logit_softcapping 30), on one repeated batch, from the same
+initial weights: bf16 weights, and fp32 master weights under bf16 autocast. PASS when every
+step's loss is within 1% of HF's (relative). Writes hf_train_check.json in DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+CASES = {
+    "llama": dict(vocab_size=32000),
+    "gemma3_text": dict(vocab_size=32000, final_logit_softcapping=30.0, sliding_window=64),
+}
+TOLERANCE = 0.01
+
+
+def tiny(model_type: str, dtype: torch.dtype):
+    import transformers
+
+    config = transformers.AutoConfig.for_model(
+        model_type, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=1024, **CASES[model_type],
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).train()
+
+
+def train(model, ids, labels, steps: int, autocast: bool) -> list[float]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(steps):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def main(argv: list[str] | None = None) -> int:
+    from flce_policy.integrations.transformers import apply_flce
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=50)
+    args = parser.parse_args(argv)
+    results, ok = [], True
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for model_type in CASES:
+        ids = torch.randint(0, CASES[model_type]["vocab_size"], (4, 512), device="cuda", generator=g)
+        labels = ids.clone()
+        labels[:, :64] = -100
+        for weights, dtype, autocast in (("bf16", torch.bfloat16, False), ("fp32 master + autocast", torch.float32, True)):
+            hf = train(tiny(model_type, dtype), ids, labels, args.steps, autocast)
+            ours = train(apply_flce(tiny(model_type, dtype)), ids, labels, args.steps, autocast)
+            worst = max(abs(a - b) / abs(b) for a, b in zip(ours, hf, strict=True))
+            passed = worst <= TOLERANCE
+            ok &= passed
+            results.append(dict(model=model_type, weights=weights, steps=args.steps, worst_relative_diff=worst,
+                                hf_first=hf[0], hf_last=hf[-1], flce_first=ours[0], flce_last=ours[-1],
+                                hf=hf, flce=ours, passed=passed))
+            print(f"{'PASS' if passed else 'FAIL'} {model_type} {weights}: {args.steps} AdamW steps, worst per-step "
+                  f"loss diff {worst:.2e} (limit {TOLERANCE}); loss {hf[0]:.4f} -> {hf[-1]:.4f} (HF) / "
+                  f"{ours[0]:.4f} -> {ours[-1]:.4f} (flce)", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "hf_train_check.json").write_text(json.dumps(results, indent=2))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
