@@ -3,7 +3,7 @@
 from .base import ChunkStrategy, StrategyError
 from .fastest import Fastest
 from .fixed_chunk_size import FixedChunkSize
-from .free_memory import FreeMemory
+from .free_memory import FreeMemory, NotEnoughFreeMemoryError
 from .heuristic_c import HeuristicC
 from .registry import BUILTIN_STRATEGIES, strategy_class, strategy_from_config
 from .slab_budget import SlabBudget
@@ -15,6 +15,7 @@ __all__ = [
     "FixedChunkSize",
     "SlabBudget",
     "FreeMemory",
+    "NotEnoughFreeMemoryError",
     "Fastest",
     "BUILTIN_STRATEGIES",
     "strategy_class",

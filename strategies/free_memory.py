@@ -6,6 +6,8 @@ import copy
 import math
 from typing import Any
 
+import torch
+
 from flce_policy import memory_now
 from flce_policy.device import DeviceInfo
 from flce_policy.geometry import Geometry
@@ -15,7 +17,18 @@ from flce_policy.units import format_bytes, parse_bytes
 
 from .base import ChunkStrategy, StrategyError
 
-__all__ = ["FreeMemory"]
+__all__ = ["FreeMemory", "NotEnoughFreeMemoryError"]
+
+
+class NotEnoughFreeMemoryError(StrategyError, torch.cuda.OutOfMemoryError):
+    """Not even one row of logits fits in what :class:`FreeMemory` finds available at call time.
+
+    An out-of-memory condition, so it is a ``torch.cuda.OutOfMemoryError`` (a training loop that
+    skips or shrinks a batch on OOM catches it), and a :class:`StrategyError` as the strategy's
+    other errors are. It is raised while the geometry is decided, before the loss allocates
+    anything, so it reaches the caller as is: the OOM fallback, which halves a slab that failed
+    to allocate, never sees it (halving cannot help when less than one row fits the budget).
+    """
 
 
 class FreeMemory(ChunkStrategy):
@@ -31,6 +44,9 @@ class FreeMemory(ChunkStrategy):
     ``cap`` bounds the answer by another strategy's: ``FreeMemory(cap=HeuristicC(16))`` is Liger's
     C=16 unless less fits now. In YAML it is that strategy's mapping (``cap: {strategy:
     heuristic_c, c: 16}``); in code, a strategy object or the mapping.
+
+    When not even one row fits, :class:`NotEnoughFreeMemoryError` (a ``torch.cuda.OutOfMemoryError``)
+    names what was available, the reserve, the buffers and what would be needed.
     """
 
     name = "free_memory"
@@ -110,7 +126,7 @@ class FreeMemory(ChunkStrategy):
         row_bytes = problem.vocab * problem.itemsize
         if budget < row_bytes:
             needed = reserve + held + math.ceil(row_bytes / self.fraction)
-            raise StrategyError(
+            raise NotEnoughFreeMemoryError(
                 f"free_memory: {format_bytes(available)} available on {device.name}, less the reserve "
                 f"{format_bytes(reserve)} and {format_bytes(held)} of gradients and per-row buffers for "
                 f"{problem.describe()}, times fraction={self.fraction}, leaves {format_bytes(max(budget, 0))} "

@@ -21,6 +21,7 @@ from flce_policy.strategies import (
     FixedChunkSize,
     FreeMemory,
     HeuristicC,
+    NotEnoughFreeMemoryError,
     SlabBudget,
     StrategyError,
     strategy_from_config,
@@ -93,8 +94,9 @@ def test_rows_that_fit_in_what_is_available(available, free, strategy, chunk):
 
 def test_too_little_memory_says_what_is_available_and_needed(available):
     available(GIB + HELD_BF16 + 512 * KIB)  # half a row after the fraction
-    with pytest.raises(StrategyError) as info:
+    with pytest.raises(torch.cuda.OutOfMemoryError) as info:
         FreeMemory().geometry(GEMMA, LIVE_H100)
+    assert isinstance(info.value, NotEnoughFreeMemoryError) and isinstance(info.value, StrategyError)
     message = str(info.value)
     assert "3.71 GiB available on NVIDIA H100 80GB HBM3" in message  # 1 GiB + 2.71 GiB + 512 KiB
     assert "one row of logits needs 512.00 KiB" in message
@@ -107,8 +109,34 @@ def test_too_little_memory_says_what_is_available_and_needed(available):
 
 @pytest.mark.parametrize("device", [DeviceInfo.cpu(), DeviceInfo.synthetic("H100")], ids=["cpu", "planned_h100"])
 def test_a_device_that_is_not_live_is_a_clear_error(device):
-    with pytest.raises(StrategyError, match="not a live CUDA device"):
+    with pytest.raises(StrategyError, match="not a live CUDA device") as info:
         FreeMemory().geometry(GEMMA, device)
+    assert not isinstance(info.value, torch.cuda.OutOfMemoryError)  # a planning mistake, not an OOM
+
+
+@pytest.mark.parametrize("as_policy", [False, True], ids=["strategy", "policy"])
+def test_the_loss_raises_an_oom_a_training_loop_catches_without_a_fallback(available, monkeypatch, as_policy):
+    """Nothing fits: the loss call raises torch.cuda.OutOfMemoryError before running, with no halving retry."""
+    import warnings
+
+    from flce_policy import fused_linear_cross_entropy, probe
+    from flce_policy.kernels import resilient
+
+    monkeypatch.setattr(probe, "device_for_tensor_device", lambda device: LIVE_H100)  # CPU tensors, a "live" H100
+    monkeypatch.setattr(resilient, "run_geometry", lambda *a, **k: pytest.fail("the driver must not run"))
+    available(GIB)  # less than the 1 GiB reserve
+    x, w, y = torch.randn(8, 16), torch.randn(32, 16), torch.randint(0, 32, (8,))
+    policy = FLCEPolicy(default=FreeMemory()) if as_policy else FreeMemory()
+    skipped = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an OOMFallbackWarning would fail the test
+        for _ in range(2):  # a training step that skips the batch on OOM
+            try:
+                fused_linear_cross_entropy(x, w, y, policy=policy)
+            except torch.cuda.OutOfMemoryError as err:
+                assert "1.00 GiB available on NVIDIA H100 80GB HBM3, less the reserve 1.00 GiB" in str(err)
+                skipped += 1
+    assert skipped == 2
 
 
 def test_available_bytes_adds_free_and_cached_but_unallocated(monkeypatch):
