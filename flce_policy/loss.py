@@ -174,7 +174,9 @@ def _geometry_for(
     problem = Problem(tokens=x.shape[0], hidden=x.shape[1], vocab=weight.shape[0], dtype=dtype)
     device = device_for_tensor_device(x.device)
     if isinstance(policy, ChunkStrategy):
-        return policy.geometry(problem, device), DEFAULT_OOM_FALLBACK
+        from flce_policy.strategy_cache import strategy_geometry
+
+        return strategy_geometry(policy, problem, device), DEFAULT_OOM_FALLBACK
     from flce_policy.policy import FLCEPolicy
 
     if policy is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
@@ -36,7 +37,8 @@ class ChunkStrategy(ABC):
     #: and are then referred to by import path.
     name: ClassVar[str | None] = None
     #: True when the answer depends on the moment the call is made (free memory), not only on the
-    #: problem and device: a policy then asks the strategy on every call instead of caching it.
+    #: problem, the device and the parameters: a policy, and the loss given the strategy itself,
+    #: then ask it on every call instead of caching its geometry.
     dynamic: ClassVar[bool] = False
 
     @abstractmethod
@@ -76,12 +78,7 @@ class ChunkStrategy(ABC):
     @classmethod
     def param_names(cls) -> list[str]:
         """The constructor's parameter names: the keys a YAML entry may give beside ``strategy``."""
-        signature = inspect.signature(cls.__init__)
-        return [
-            p.name
-            for p in signature.parameters.values()
-            if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-        ]
+        return list(_init_param_names(cls.__init__))
 
     def get_params(self) -> dict[str, Any]:
         """The constructor parameters, read back from the attributes of the same names."""
@@ -100,6 +97,11 @@ class ChunkStrategy(ABC):
         params = {k: v.to_config() if isinstance(v, ChunkStrategy) else v for k, v in self.get_params().items()}
         return {"strategy": self.config_name(), **params}
 
+    def params_key(self) -> str:
+        """The class's YAML name and parameters as one string, equal exactly when :meth:`to_config` is:
+        what equality, hashing and the loss's geometry cache go by (a mutated parameter is a new key)."""
+        return repr(_frozen(self.to_config()))
+
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self.get_params().items())
         return f"{type(self).__name__}({params})"
@@ -109,7 +111,17 @@ class ChunkStrategy(ABC):
         return type(other) is type(self) and other.to_config() == self.to_config()  # type: ignore[attr-defined]
 
     def __hash__(self) -> int:
-        return hash((type(self), repr(_frozen(self.to_config()))))
+        return hash((type(self), self.params_key()))
+
+
+@functools.lru_cache(maxsize=256)
+def _init_param_names(init: Any) -> tuple[str, ...]:
+    """The parameter names of a constructor, read from its signature once (it is slow to read)."""
+    return tuple(
+        p.name
+        for p in inspect.signature(init).parameters.values()
+        if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    )
 
 
 def _frozen(value: Any) -> Any:
