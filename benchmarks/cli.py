@@ -100,7 +100,7 @@ def add_measurement_options(parser: argparse.ArgumentParser, *, with_defaults: b
         "--repeats",
         type=int_at_least(MIN_REPEATS),
         default=defaults[1],
-        help=f"timed calls per row, median taken (default {DEFAULT_REPEATS})",
+        help=f"timed calls per row, median taken (at least {MIN_REPEATS}; default {DEFAULT_REPEATS})",
     )
     parser.add_argument(
         "--warmup", type=int_at_least(0), default=defaults[2], help=f"untimed calls first (default {DEFAULT_WARMUP})"

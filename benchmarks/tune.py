@@ -16,9 +16,12 @@ HBM bandwidth that best explain them (:func:`flce_policy.cost_model.fit_rates`).
 ``--strategy fastest`` the rule is instead a ``fastest`` strategy carrying those rates, under the
 same limits (``max_slab``, and ``max_peak`` on the predicted peak).
 
-The file holds that rule for this GPU's family, the packaged default strategy as ``default``
-(other GPUs), the OOM settings, and the measurements as comments. It is loaded back before it is
-written, so it always passes ``FLCEPolicy.from_yaml`` and ``flce-policy validate``.
+The file holds that rule for this GPU's family, then the packaged rules for every other GPU (the
+packaged rules it makes unreachable, this family's, left out), the packaged default strategy as
+``default`` (unknown GPUs), the OOM settings, and the measurements as comments: shared across a
+mixed cluster, it changes only this family's decision. ``--no-packaged-rules`` writes the tuned
+rule alone, and says which families then fall to the default. The file is loaded back before it
+is written, so it always passes ``FLCEPolicy.from_yaml`` and ``flce-policy validate``.
 """
 
 from __future__ import annotations
@@ -227,18 +230,46 @@ def calibrate(records: Iterable[Record], device: DeviceInfo, *, dtype: str = "bf
     return rates, worst
 
 
-def tuned_policy(choice: Choice, device: DeviceInfo, strategy: ChunkStrategy | None = None) -> FLCEPolicy:
-    """The packaged default strategy and OOM settings, plus one rule for ``device``: ``strategy``,
-    or by default a slab_budget at the chosen slab."""
+def tuned_policy(
+    choice: Choice, device: DeviceInfo, strategy: ChunkStrategy | None = None, *, packaged_rules: bool = True
+) -> FLCEPolicy:
+    """One rule for ``device`` (``strategy``, or by default a slab_budget at the chosen slab), then
+    with ``packaged_rules`` the packaged rules it leaves reachable, and the packaged default
+    strategy and OOM settings."""
     packaged = FLCEPolicy.packaged()
     rule = DeviceRule(rule_match(device), strategy or SlabBudget(exact_size(choice.max_slab)))
+    others = [r for r in packaged.rules if not _superseded(r, rule.match)] if packaged_rules else []
     return FLCEPolicy(
         default=packaged.default_strategy,
-        rules=[rule],
+        rules=[rule, *others],
         oom_fallback=packaged.oom_fallback,
         min_chunk_size=packaged.min_chunk_size,
         source="flce-policy tune",
     )
+
+
+def _superseded(packaged: DeviceRule, tuned_match: str) -> bool:
+    """True when the tuned rule (``tuned_match``, no memory bounds, first) matches every device ``packaged`` does."""
+    return packaged.match.lower() == tuned_match.lower()
+
+
+def _rules_note(device: DeviceInfo, packaged_rules: bool) -> list[str]:
+    """The comment lines that say what ``devices`` holds beside the tuned rule."""
+    match = rule_match(device)
+    if not packaged_rules:
+        default = FLCEPolicy.packaged().default_strategy
+        return [
+            f"devices: only the tuned rule (--no-packaged-rules); every other GPU gets the default, "
+            f"{default!r}, not its packaged rule"
+        ]
+    replaced = [r for r in FLCEPolicy.packaged().rules if _superseded(r, match)]
+    lines = [
+        "devices: the tuned rule, then the packaged rules of this flce-policy for every other GPU, so a file",
+        "shared across a mixed cluster changes only this family (later releases' packaged rules do not reach it)",
+    ]
+    for rule in replaced:
+        lines.append(f"the tuned rule replaces the packaged rule {rule.describe()} -> {rule.strategy!r}")
+    return lines
 
 
 def render(
@@ -250,6 +281,7 @@ def render(
     about: Sequence[str] = (),
     dtype: str = "bfloat16",
     strategy: ChunkStrategy | None = None,
+    packaged_rules: bool = True,
 ) -> str:
     """The policy file: ``about`` and the measurements as comments, then :func:`tuned_policy` as YAML."""
     floors = {r.shape: r.median_ms for r in records if r.family == "floor" and r.median_ms}
@@ -279,8 +311,9 @@ def render(
         )
     if strategy is not None:
         lines.append(f"written: {strategy!r} (the measured choice above is for comparison)")
+    lines += ["", *_rules_note(device, packaged_rules)]
     comments = "".join(f"# {line}".rstrip() + "\n" for line in lines)
-    return comments + tuned_policy(choice, device, strategy).to_yaml()
+    return comments + tuned_policy(choice, device, strategy, packaged_rules=packaged_rules).to_yaml()
 
 
 def _row_line(r: Record, choice: Choice, limits: Limits, dtype: str) -> str:
@@ -339,6 +372,13 @@ def build_parser(prog: str) -> Parser:
         "cost model calibrated on these measurements",
     )
     parser.add_argument("--out", required=True, metavar="FILE.yaml", help="the policy file to write")
+    parser.add_argument(
+        "--no-packaged-rules",
+        dest="packaged_rules",
+        action="store_false",
+        help="write the tuned rule alone: every other GPU then gets the default strategy instead of its "
+        "packaged rule (by default the file keeps the packaged rules after the tuned one)",
+    )
     return parser
 
 
@@ -387,8 +427,10 @@ def run(args: argparse.Namespace) -> int:
         if args.strategy == "fastest":
             raise UsageError(f"cannot calibrate the cost model for --strategy fastest: {err}") from None
         about.append(f"cost model not calibrated: {err}")
-    text = render(choice, records, limits, device=device, about=about, strategy=strategy)
-    FLCEPolicy.from_yaml_text(text, source=str(out))  # what is written must load; a failure here is a bug
+    text = render(
+        choice, records, limits, device=device, about=about, strategy=strategy, packaged_rules=args.packaged_rules
+    )
+    policy = FLCEPolicy.from_yaml_text(text, source=str(out))  # what is written must load; a failure is a bug
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text, encoding="utf-8")
     written = f"{strategy!r}" if strategy is not None else f"slab_budget max_slab {exact_size(choice.max_slab)}"
@@ -397,7 +439,22 @@ def run(args: argparse.Namespace) -> int:
         f"check it with `flce-policy validate {out}`, use it with FLCE_POLICY_CONFIG={out}",
         file=sys.stderr,
     )
+    print(_changed_families(policy, device, out), file=sys.stderr)
     return 0
+
+
+def _changed_families(policy: FLCEPolicy, device: DeviceInfo, out: Path) -> str:
+    """Which known GPU families the written file gives another strategy than the packaged policy does."""
+    packaged = FLCEPolicy.packaged()
+    changed = [d.family for d in DeviceInfo.known() if not policy.same_strategy_as(packaged, d)]
+    others = [family for family in changed if family != device.family]
+    if not others:
+        where = f"only on {device.family}" if changed else "on none of them"
+        return f"of the known GPU families, it gives another strategy than the packaged policy {where}"
+    return (
+        f"WARNING: {out} moves {len(others)} other known GPU families from their packaged rules to the default "
+        f"{policy.default_strategy!r}: {', '.join(others)}; without --no-packaged-rules tune keeps their rules"
+    )
 
 
 def _rates_text(rates: DeviceRates) -> str:

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flce_policy.config import CONFIG_VERSION, ConfigError
-from flce_policy.device import KNOWN_GPUS, DeviceInfo
+from flce_policy.device import DeviceInfo
 from flce_policy.policy import CONFIG_ENV_VAR, FLCEPolicy
 from flce_policy.problem import Problem
 from flce_policy.strategies import BUILTIN_STRATEGIES, strategy_from_config
@@ -240,7 +240,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         device = probe_device()
         device, title = (device, "") if device.is_gpu else (None, "no GPU here; the decision on each known GPU")
     if device is None:
-        _print_table(policy, problem, _known_devices(), as_json=args.json, title=title)
+        _print_table(policy, problem, DeviceInfo.known(), as_json=args.json, title=title)
     elif args.json:
         _print_json(policy.explain_dict(problem, device, master_dtype=args.master_dtype))
     else:
@@ -256,23 +256,41 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             _print_json({"file": args.file, "valid": False, "errors": str(err).splitlines()})
         return _fail(str(err))
     problem = _problem(args)
-    devices = _known_devices()
+    devices = DeviceInfo.known()
     unmatched = [
         f"devices[{i}] (match {rule.match}) matches no known GPU family or name; check for a typo"
         for i, rule in enumerate(policy.rules)
         if not any(rule.names(d) for d in [*devices, DeviceInfo.cpu()])
     ]
+    packaged = FLCEPolicy.packaged()
+    differs = [d.family for d in devices if not policy.same_strategy_as(packaged, d)]
+    if differs:
+        versus = f"differs from the packaged policy on {len(differs)} of {len(devices)} known GPU families: "
+        versus += ", ".join(differs)
+    else:
+        versus = f"picks as the packaged policy does on all {len(devices)} known GPU families"
     if args.json:
-        rows = [_decision(policy, problem, d) for d in devices]
+        rows = [
+            {**_decision(policy, problem, d), "packaged": _packaged_decision(packaged, problem, d)} for d in devices
+        ]
         _print_json(
-            {"file": args.file, "valid": True, "notes": unmatched, "problem": problem.model_dump(), "decisions": rows}
+            {
+                "file": args.file,
+                "valid": True,
+                "notes": [*unmatched, versus],
+                "differs_from_packaged": differs,
+                "problem": problem.model_dump(),
+                "decisions": rows,
+            }
         )
         return 0
     console = _console()
     console.print(f"OK: {args.file} (version {CONFIG_VERSION}, {len(policy.rules)} device rules)")
     for note in unmatched:
         console.print(f"note: {note}")
-    _print_table(policy, problem, devices, as_json=False, title=f"what {args.file} picks on the known GPUs")
+    title = f"what {args.file} picks on the known GPUs, beside the packaged policy"
+    _print_table(policy, problem, devices, as_json=False, title=title, baseline=packaged)
+    console.print(f"note: {args.file} {versus}")
     return 0
 
 
@@ -290,10 +308,6 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
 
 # --- output --------------------------------------------------------------------------------------
-
-
-def _known_devices() -> list[DeviceInfo]:
-    return [DeviceInfo.synthetic(gpu.family) for gpu in sorted(KNOWN_GPUS, key=lambda g: -g.total_memory_bytes)]
 
 
 def _decision(policy: FLCEPolicy, problem: Problem, device: DeviceInfo) -> dict[str, Any]:
@@ -321,32 +335,57 @@ def _decision(policy: FLCEPolicy, problem: Problem, device: DeviceInfo) -> dict[
         }
 
 
-def _print_table(policy: FLCEPolicy, problem: Problem, devices: list[DeviceInfo], *, as_json: bool, title: str) -> None:
+def _packaged_decision(packaged: FLCEPolicy, problem: Problem, device: DeviceInfo) -> dict[str, Any]:
+    """The packaged policy's rule, strategy and chunk size for ``device``, for comparison."""
+    row = _decision(packaged, problem, device)
+    return {key: row[key] for key in ("rule", "strategy", "params", "chunk_size") if key in row}
+
+
+def _print_table(
+    policy: FLCEPolicy,
+    problem: Problem,
+    devices: list[DeviceInfo],
+    *,
+    as_json: bool,
+    title: str,
+    baseline: FLCEPolicy | None = None,
+) -> None:
+    """The decision on each device; with ``baseline``, a last column with its pick where it differs."""
     rows = [_decision(policy, problem, d) for d in devices]
     if as_json:
         _print_json({"problem": problem.model_dump(), "policy": policy.source, "decisions": rows})
         return
     table = Table(title=f"{title}\n{problem.describe()}; policy {policy.source}")
-    for column in ("GPU", "memory", "rule", "strategy", "chunk_size", "chunks", "slab"):
+    columns = ["GPU", "memory", "rule", "strategy", "chunk_size", "chunks", "slab"]
+    for column in columns + (["packaged policy"] if baseline is not None else []):
         table.add_column(column, justify="right" if column in ("chunk_size", "chunks", "slab") else "left")
     for device, row in zip(devices, rows, strict=True):
-        memory = format_bytes(device.total_memory_bytes)
-        strategy = f"{row['strategy']} {_params_text(row.get('params', {}))}".strip()
-        if "error" in row:
-            table.add_row(device.family, memory, row["rule"], strategy, "error", "", row["error"])
-        elif "at_call_time" in row:
-            table.add_row(device.family, memory, row["rule"], strategy, "at call time", "", "from free memory")
-        else:
-            table.add_row(
-                device.family,
-                memory,
-                row["rule"],
-                strategy,
-                str(row["chunk_size"]),
-                str(row["num_chunks"]),
-                row["slab"],
-            )
+        cells = [device.family, format_bytes(device.total_memory_bytes), row["rule"], _row_strategy(row)]
+        cells += _pick_cells(row)
+        if baseline is not None:
+            same = policy.same_strategy_as(baseline, device)
+            cells.append("same" if same else _pick_text(_decision(baseline, problem, device)))
+        table.add_row(*cells)
     _console().print(table)
+
+
+def _row_strategy(row: dict[str, Any]) -> str:
+    return f"{row['strategy']} {_params_text(row.get('params', {}))}".strip()
+
+
+def _pick_cells(row: dict[str, Any]) -> list[str]:
+    """chunk_size, chunks and slab of a decision row, or what stands in their place."""
+    if "error" in row:
+        return ["error", "", row["error"]]
+    if "at_call_time" in row:
+        return ["at call time", "", "from free memory"]
+    return [str(row["chunk_size"]), str(row["num_chunks"]), row["slab"]]
+
+
+def _pick_text(row: dict[str, Any]) -> str:
+    """A decision in one cell: ``slab_budget max_slab=256MiB: 512 rows``."""
+    chunk = _pick_cells(row)[0]
+    return f"{_row_strategy(row)}: {chunk} rows" if chunk.isdigit() else f"{_row_strategy(row)}: {chunk}"
 
 
 def _strategy_text(strategy: Any) -> str:

@@ -93,6 +93,11 @@ class DeviceInfo(BaseModel):
         )
 
     @classmethod
+    def known(cls) -> list[DeviceInfo]:
+        """Every known GPU family as :meth:`synthetic` plans for it, the largest memory first."""
+        return [cls.synthetic(gpu.family) for gpu in sorted(KNOWN_GPUS, key=lambda g: -g.total_memory_bytes)]
+
+    @classmethod
     def cpu(cls) -> DeviceInfo:
         """The device of a machine with no usable GPU."""
         return cls(name="cpu", family="cpu", total_memory_bytes=0, source="none")

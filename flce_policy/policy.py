@@ -222,6 +222,10 @@ class FLCEPolicy:
                 return f"devices[{i}] ({rule.describe()})", rule.strategy
         return DEFAULT_RULE, self.default_strategy
 
+    def same_strategy_as(self, other: FLCEPolicy, device: DeviceInfo) -> bool:
+        """True when ``other`` gives ``device`` an equal strategy (same class and parameters), whichever rule."""
+        return self.resolve_rule(device)[1] == other.resolve_rule(device)[1]
+
     def resolve(self, problem: Problem, device: DeviceInfo | None = None) -> Geometry:
         """The geometry for ``problem`` on ``device`` (probed once per policy when None).
 

@@ -153,6 +153,36 @@ def test_validate_json(capsys):
     assert {d["device"]["family"] for d in data["decisions"]} >= set(TABLE_FAMILIES)
 
 
+def test_validate_shows_per_family_where_a_file_departs_from_the_packaged_policy(tmp_path, capsys):
+    from flce_policy.policy import FLCEPolicy
+    from flce_policy.problem import Problem
+
+    path = tmp_path / "h200_only.yaml"  # what tune wrote before it kept the packaged rules
+    path.write_text("version: 1\ndevices:\n  - match: H200\n    strategy: slab_budget\n    max_slab: 1GiB\n")
+    code, out, _ = run(capsys, "validate", str(path), "--json")
+    assert code == 0
+    data = json.loads(out)
+    packaged, problem = FLCEPolicy.packaged(), Problem(tokens=8192, hidden=5376, vocab=262144)
+    for row in data["decisions"]:
+        device = DeviceInfo.synthetic(row["device"]["family"])
+        assert row["packaged"]["chunk_size"] == packaged.resolve(problem, device).chunk_size
+    # every known family has a packaged slab_budget rule, none of them this file's
+    assert data["differs_from_packaged"] == [d["device"]["family"] for d in data["decisions"]]
+    code, out, _ = run(capsys, "validate", str(path))
+    (h100,) = [line for line in out.splitlines() if "│ H100 " in line]
+    assert "heuristic_c c=1" in h100 and "slab_budget max_slab=256MiB: 512 rows" in h100
+    assert f"note: {path} differs from the packaged policy on 21 of 21 known GPU families: GB300, B300" in out
+
+
+def test_validate_the_packaged_file_is_the_same_everywhere(capsys):
+    code, out, _ = run(capsys, "validate", packaged_yaml(), "--json")
+    assert json.loads(out)["differs_from_packaged"] == []
+    code, out, _ = run(capsys, "validate", packaged_yaml())
+    (h100,) = [line for line in out.splitlines() if "│ H100 " in line]
+    assert h100.rstrip("│ ").endswith("same")
+    assert "picks as the packaged policy does on all 21 known GPU families" in out
+
+
 def test_validate_bad_file(tmp_path, capsys):
     path = tmp_path / "bad.yaml"
     path.write_text("version: 1\ndevices:\n  - match: H100\n    strategy: nope\n  - strategy: heuristic_c\n")

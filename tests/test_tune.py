@@ -149,12 +149,18 @@ def test_exact_size_reads_back_exactly():
 # --- the file ------------------------------------------------------------------------------------
 
 
-def written(tmp_path, records, limits, device=H200):
+def written(tmp_path, records, limits, device=H200, **options):
     choice = tune.choose(records, limits, device=device)
-    text = tune.render(choice, records, limits, device=device, about=["measured on a test bench"])
+    text = tune.render(choice, records, limits, device=device, about=["measured on a test bench"], **options)
     path = tmp_path / "tuned.yaml"
     path.write_text(text)
     return path, text
+
+
+def packaged_picks(policy, problem, device):
+    """What ``policy`` runs on ``device``: the geometry less the rule's position in the file."""
+    geometry = policy.resolve(problem, device)
+    return (geometry.chunk_size, geometry.vocab_chunk, geometry.strategy)
 
 
 def test_the_file_is_a_policy_for_this_family_with_the_packaged_default(tmp_path):
@@ -163,11 +169,37 @@ def test_the_file_is_a_policy_for_this_family_with_the_packaged_default(tmp_path
     packaged = FLCEPolicy.packaged()
     assert policy.default_strategy == packaged.default_strategy
     assert (policy.oom_fallback, policy.min_chunk_size) == (packaged.oom_fallback, packaged.min_chunk_size)
-    (rule,) = policy.rules
+    rule = policy.rules[0]
     assert (rule.match, rule.strategy) == ("H200", SlabBudget("1GiB"))
     assert policy.resolve(Problem(*GEMMA), H200).chunk_size == 2048
     assert policy.resolve(Problem(*SMALL), H200).chunk_size == 4096
-    assert yaml.safe_load(text)["devices"] == [{"match": "H200", "strategy": "slab_budget", "max_slab": "1GiB"}]
+    assert yaml.safe_load(text)["devices"][0] == {"match": "H200", "strategy": "slab_budget", "max_slab": "1GiB"}
+
+
+@pytest.mark.parametrize("problem", [Problem(*GEMMA), Problem(*SMALL)], ids=["gemma", "small"])
+def test_every_other_gpu_keeps_what_the_packaged_policy_picks(tmp_path, problem):
+    path, text = written(tmp_path, gemma_rows(), tune.Limits(max_peak=5 * GIB))
+    policy, packaged = FLCEPolicy.from_yaml(path), FLCEPolicy.packaged()
+    others = [d for d in DeviceInfo.known() if d.family != "H200"]
+    assert len(others) == 20
+    for device in others:
+        assert packaged_picks(policy, problem, device) == packaged_picks(packaged, problem, device), device.family
+    gh200_144 = DeviceInfo.synthetic("GH200").model_copy(update={"total_memory_bytes": 144 * 10**9})
+    a100_40 = DeviceInfo.synthetic("A100").model_copy(update={"total_memory_bytes": 40 * 2**30})
+    for device in (gh200_144, a100_40, DeviceInfo.cpu()):  # memory-bounded rules, and the default
+        assert packaged_picks(policy, problem, device) == packaged_picks(packaged, problem, device), device
+    # The packaged H200 rule is left out (the tuned one, first, would hide it), and the file says so.
+    assert [r.match for r in policy.rules].count("H200") == 1
+    assert len(policy.rules) == len(packaged.rules)
+    assert "# the tuned rule replaces the packaged rule match H200 -> SlabBudget(max_slab='2GiB')" in text
+
+
+def test_without_the_packaged_rules_the_file_says_other_gpus_get_the_default(tmp_path):
+    path, text = written(tmp_path, gemma_rows(), tune.Limits(max_peak=5 * GIB), packaged_rules=False)
+    policy = FLCEPolicy.from_yaml(path)
+    assert [(r.match, r.strategy) for r in policy.rules] == [("H200", SlabBudget("1GiB"))]
+    assert "# devices: only the tuned rule (--no-packaged-rules); every other GPU gets the default" in text
+    assert policy.resolve_rule(DeviceInfo.synthetic("H100")) == ("default", FLCEPolicy.packaged().default_strategy)
 
 
 def test_the_file_carries_the_measurements_as_comments(tmp_path):
@@ -189,8 +221,10 @@ def test_the_file_passes_validate(tmp_path, capsys):
     path, _ = written(tmp_path, gemma_rows(), tune.Limits(max_peak=5 * GIB))
     assert main(["validate", str(path)]) == 0
     out, _ = capsys.readouterr()
-    assert f"OK: {path} (version 1, 1 device rules)" in out
-    assert "note:" not in out  # the rule names a known family
+    rules = len(FLCEPolicy.packaged().rules)  # the tuned one, and the packaged ones less H200's
+    assert f"OK: {path} (version 1, {rules} device rules)" in out
+    assert "matches no known GPU" not in out  # the rules name known families
+    assert "differs from the packaged policy on 1 of 21 known GPU families: H200" in out
 
 
 def test_an_unknown_family_is_matched_by_its_exact_name(tmp_path):
@@ -199,7 +233,7 @@ def test_an_unknown_family_is_matched_by_its_exact_name(tmp_path):
     policy = FLCEPolicy.from_yaml(path)
     assert policy.rules[0].match == "Mystery Accel 96GB"
     assert policy.resolve_rule(mystery)[0].startswith("devices[0]")
-    assert policy.resolve_rule(H200)[0] == "default"
+    assert policy.resolve_rule(H200)[1] == FLCEPolicy.packaged().resolve_rule(H200)[1]  # not replaced
 
 
 # --- the command ----------------------------------------------------------------------------------
@@ -222,6 +256,19 @@ def test_user_errors_exit_2_on_one_line(tmp_path, capsys, argv, fragment):
     assert code == 2
     assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
     assert fragment in err
+
+
+@pytest.mark.parametrize("command", ["tune", "bench"])
+def test_help_states_the_repeats_minimum_that_is_enforced(capsys, command):
+    from flce_policy.benchmarks.cli import MIN_REPEATS
+
+    assert main([command, "--help"]) == 0
+    out, _ = capsys.readouterr()
+    assert f"at least {MIN_REPEATS}" in " ".join(out.split())  # argparse wraps the help text
+    required = ["--max-slab", "1GiB", "--out", "p.yaml"] if command == "tune" else []
+    assert main([command, "--repeats", str(MIN_REPEATS - 1), *required]) == 2
+    _, err = capsys.readouterr()
+    assert f"expected an integer >= {MIN_REPEATS}, got {MIN_REPEATS - 1}" in err
 
 
 def test_without_cuda_it_says_so(tmp_path, capsys, monkeypatch):
@@ -274,6 +321,17 @@ def test_gpu_run_glue_with_a_stubbed_suite(tmp_path, capsys, monkeypatch):
     assert policy.rules[0].strategy == SlabBudget("1GiB")
     assert "8192x5376x262144 ours_chunk2048_bf16: 108.50 ms, peak 3.70 GiB, ok" in err  # the progress lines
     assert f"wrote {out}: match H200 -> slab_budget max_slab 1GiB" in err
+    assert "of the known GPU families, it gives another strategy than the packaged policy only on H200" in err
+    assert "WARNING" not in err
+
+    argv = ["tune", "--shapes", "8192x5376x262144", "--max-peak", "5GiB", "--out", str(out)]
+    code = main([*argv, "--no-packaged-rules"])
+    _, err = capsys.readouterr()
+    assert code == 0, err
+    assert len(FLCEPolicy.from_yaml(out).rules) == 1
+    warning = next(line for line in err.splitlines() if line.startswith("WARNING"))
+    assert "moves 20 other known GPU families from their packaged rules to the default HeuristicC(c=1)" in warning
+    assert "H100" in warning and "B200" in warning and "A100" in warning
 
 
 # --- calibrating the cost model -------------------------------------------------------------------
