@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FLOOR",
+    "PEER_DEFAULTS",
     "Inputs",
     "Method",
     "Unavailable",
@@ -46,6 +47,9 @@ Step = Callable[[], None]
 Plan = Callable[[Problem, DeviceInfo], Geometry]
 #: The name of the reference row every ratio is taken against.
 FLOOR = "gemm_floor"
+#: Each peer's rows at its own defaults: Liger's chunk rule at C=1 (bf16, and with fp32 accumulation
+#: for the fp32 comparison), CCE with its default filter, eager PyTorch.
+PEER_DEFAULTS = frozenset({"liger_c1_bf16", "liger_c1_fp32", "cce", "eager"})
 #: The rows' grad_weight accumulation: the label and the loss's ``accum_dtype``.
 _ACCUM_DTYPES: dict[str, torch.dtype | None] = {"bf16": None, "fp32": torch.float32}
 #: The peak limit of the lean Fastest row: under liger-kernel fp32 (8.20 GiB at 32768x5376x262144)
