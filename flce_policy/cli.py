@@ -277,7 +277,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             {
                 "file": args.file,
                 "valid": True,
-                "notes": [*unmatched, versus],
+                "notes": unmatched,
                 "differs_from_packaged": differs,
                 "problem": problem.model_dump(),
                 "decisions": rows,
