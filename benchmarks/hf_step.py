@@ -30,15 +30,33 @@ GiB = 2**30
 FAMILIES: dict[str, tuple[str, dict, int, int, str]] = {
     "llama3-8b": (
         "llama",
-        dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-             num_key_value_heads=8, head_dim=128),
-        2, 8192, "apply_liger_kernel_to_llama",
+        dict(
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+        ),
+        2,
+        8192,
+        "apply_liger_kernel_to_llama",
     ),
     "gemma3-27b": (
         "gemma3_text",
-        dict(vocab_size=262144, hidden_size=5376, intermediate_size=21504, num_attention_heads=32,
-             num_key_value_heads=16, head_dim=128, final_logit_softcapping=30.0, sliding_window=1024),
-        1, 8192, "apply_liger_kernel_to_gemma3_text",
+        dict(
+            vocab_size=262144,
+            hidden_size=5376,
+            intermediate_size=21504,
+            num_attention_heads=32,
+            num_key_value_heads=16,
+            head_dim=128,
+            final_logit_softcapping=30.0,
+            sliding_window=1024,
+        ),
+        1,
+        8192,
+        "apply_liger_kernel_to_gemma3_text",
     ),
 }
 
@@ -65,7 +83,11 @@ def patch(model, family: str, method: str) -> None:
         import liger_kernel.transformers as liger
 
         getattr(liger, FAMILIES[family][4])(
-            rope=False, rms_norm=False, cross_entropy=False, fused_linear_cross_entropy=True, model=model,
+            rope=False,
+            rms_norm=False,
+            cross_entropy=False,
+            fused_linear_cross_entropy=True,
+            model=model,
             **({"swiglu": False} if family.startswith("llama") else {"geglu": False}),
         )
         return
@@ -114,21 +136,30 @@ def targets(rows: list[dict]) -> list[str]:
     by = {(r["family"], r["method"], r["weights"]): r for r in rows}
     lines = []
     for family in sorted({r["family"] for r in rows}):
-        def get(method, weights="bf16"):
-            return by.get((family, method, weights))
-
-        ours, liger, slab, hf = get("flce_default"), get("liger"), get("flce_256MiB"), get("hf")
-        master = get("flce_default", "fp32 master + autocast")
+        ours, liger, slab, hf = (by.get((family, m, "bf16")) for m in ("flce_default", "liger", "flce_256MiB", "hf"))
+        master = by.get((family, "flce_default", "fp32 master + autocast"))
         if ours and liger and ours["ms"] and liger["ms"]:
             lines.append(_judge(f"{family}: flce default step <= Liger's", ours["ms"] / liger["ms"], 1.0, "x"))
-            lines.append(_judge(f"{family}: flce default peak <= Liger's + 2 GiB",
-                                ours["peak_gib"] - liger["peak_gib"], 2.0, " GiB over"))
+            lines.append(
+                _judge(
+                    f"{family}: flce default peak <= Liger's + 2 GiB",
+                    ours["peak_gib"] - liger["peak_gib"],
+                    2.0,
+                    " GiB over",
+                )
+            )
         if slab and liger and slab["ms"] and liger["ms"]:
-            lines.append(_judge(f"{family}: 256 MiB slab peak <= Liger's", slab["peak_gib"] - liger["peak_gib"],
-                                0.0, " GiB over"))
+            lines.append(
+                _judge(
+                    f"{family}: 256 MiB slab peak <= Liger's", slab["peak_gib"] - liger["peak_gib"], 0.0, " GiB over"
+                )
+            )
         if master and ours and master["ms"] and ours["ms"]:
-            lines.append(_judge(f"{family}: fp32-master autocast step <= 1.10x the bf16 step",
-                                master["ms"] / ours["ms"], 1.10, "x"))
+            lines.append(
+                _judge(
+                    f"{family}: fp32-master autocast step <= 1.10x the bf16 step", master["ms"] / ours["ms"], 1.10, "x"
+                )
+            )
         if hf and ours and hf["loss"] is not None and ours["loss"] is not None:
             rel = abs(ours["loss"] - hf["loss"]) / abs(hf["loss"])
             lines.append(_judge(f"{family}: flce loss vs HF's (relative)", rel, 0.01, ""))
@@ -160,8 +191,13 @@ def write(rows: list[dict], out: Path, lines: list[str]) -> None:
         for r in (r for r in rows if r["family"] == family and r["ms"]):
             marker = "o" if r["weights"] == "bf16" else "s"
             ax.scatter(r["peak_gib"], r["ms"], marker=marker, s=50)
-            ax.annotate(f"{r['method']}{'' if r['weights'] == 'bf16' else ' (fp32 master)'}",
-                        (r["peak_gib"], r["ms"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
+            ax.annotate(
+                f"{r['method']}{'' if r['weights'] == 'bf16' else ' (fp32 master)'}",
+                (r["peak_gib"], r["ms"]),
+                textcoords="offset points",
+                xytext=(5, 4),
+                fontsize=8,
+            )
         ax.set_title(f"{family}: one fwd+bwd step (2 layers, real head)")
         ax.set_xlabel("peak GiB over model + inputs")
         ax.set_ylabel("step ms (median)")

@@ -30,8 +30,15 @@ def tiny(model_type: str, dtype: torch.dtype):
     import transformers
 
     config = transformers.AutoConfig.for_model(
-        model_type, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, max_position_embeddings=1024, **CASES[model_type],
+        model_type,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=1024,
+        **CASES[model_type],
     )
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -70,19 +77,36 @@ def main(argv: list[str] | None = None) -> int:
         labels = ids.clone()
         labels[:, :64] = -100
         fp32 = train(tiny(model_type, torch.float32), ids, labels, args.steps, False)
-        for weights, dtype, autocast in (("bf16", torch.bfloat16, False), ("fp32 master + autocast", torch.float32, True)):
+        for weights, dtype, autocast in (
+            ("bf16", torch.bfloat16, False),
+            ("fp32 master + autocast", torch.float32, True),
+        ):
             hf = train(tiny(model_type, dtype), ids, labels, args.steps, autocast)
             ours = train(apply_flce(tiny(model_type, dtype)), ids, labels, args.steps, autocast)
             worst = _worst(ours, hf)
             passed = worst <= TOLERANCE
             ok &= passed
-            results.append(dict(model=model_type, weights=weights, steps=args.steps, worst_relative_diff=worst,
-                                hf_worst_vs_fp32=_worst(hf, fp32), flce_worst_vs_fp32=_worst(ours, fp32),
-                                hf=hf, flce=ours, fp32=fp32, passed=passed))
-            print(f"{'PASS' if passed else 'FAIL'} {model_type} {weights}: {args.steps} AdamW steps, worst per-step "
-                  f"loss diff to HF {worst:.2e} (limit {TOLERANCE}); loss {hf[0]:.4f} -> {hf[-1]:.4f} (HF) / "
-                  f"{ours[0]:.4f} -> {ours[-1]:.4f} (flce); worst diff to the fp32 run: HF {_worst(hf, fp32):.2e}, "
-                  f"flce {_worst(ours, fp32):.2e}", flush=True)
+            results.append(
+                dict(
+                    model=model_type,
+                    weights=weights,
+                    steps=args.steps,
+                    worst_relative_diff=worst,
+                    hf_worst_vs_fp32=_worst(hf, fp32),
+                    flce_worst_vs_fp32=_worst(ours, fp32),
+                    hf=hf,
+                    flce=ours,
+                    fp32=fp32,
+                    passed=passed,
+                )
+            )
+            print(
+                f"{'PASS' if passed else 'FAIL'} {model_type} {weights}: {args.steps} AdamW steps, worst per-step "
+                f"loss diff to HF {worst:.2e} (limit {TOLERANCE}); loss {hf[0]:.4f} -> {hf[-1]:.4f} (HF) / "
+                f"{ours[0]:.4f} -> {ours[-1]:.4f} (flce); worst diff to the fp32 run: HF {_worst(hf, fp32):.2e}, "
+                f"flce {_worst(ours, fp32):.2e}",
+                flush=True,
+            )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "hf_train_check.json").write_text(json.dumps(results, indent=2))
     return 0 if ok else 1

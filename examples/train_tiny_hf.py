@@ -28,8 +28,13 @@ def main() -> None:
     args = parser.parse_args()
 
     config = LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
     )
     torch.manual_seed(0)
     model = apply_flce(LlamaForCausalLM(config), return_token_accuracy=True)
@@ -44,14 +49,22 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as out:
         training = TrainingArguments(
-            output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=args.steps,
-            learning_rate=3e-3, logging_steps=1, report_to=[], save_strategy="no", use_cpu=not torch.cuda.is_available(),
+            output_dir=out,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            max_steps=args.steps,
+            learning_rate=3e-3,
+            logging_steps=1,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=not torch.cuda.is_available(),
             bf16=torch.cuda.is_available(),
         )
         trainer = Trainer(model=model, args=training, train_dataset=rows)
         result = trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    print(f"trained {result.global_step} steps through flce-policy; loss per step: {', '.join(f'{x:.3f}' for x in losses)}")
+    per_step = ", ".join(f"{x:.3f}" for x in losses)
+    print(f"trained {result.global_step} steps through flce-policy; loss per step: {per_step}")
 
 
 if __name__ == "__main__":

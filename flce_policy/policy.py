@@ -341,7 +341,7 @@ class FLCEPolicy:
         rates_text = f"{d['rates']['matmul_flops'] / 1e12:.0f} TFLOP/s, {d['rates']['hbm_bytes_per_s'] / 1e12:.2f} TB/s"
         accum = "" if d["accum_dtype"] is None else f" and grad_weight accumulated in {d['accum_dtype']} (planned)"
         if master_dtype is not None:
-            accum += f", under autocast over a {master_dtype} weight (its {problem.dtype} copy and its gradient included)"
+            accum += f", under autocast over a {master_dtype} weight (its {problem.dtype} copy and gradient included)"
         lines = [
             ("Device", d["device"]["description"]),
             ("Problem", problem.describe()),

@@ -20,7 +20,10 @@ def test_train_tiny_hf_trains_through_flce():
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     run = subprocess.run(
         [sys.executable, str(EXAMPLES / "train_tiny_hf.py"), "--steps", "3"],
-        capture_output=True, text=True, timeout=600, env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     match = re.search(r"trained (\d+) steps through flce-policy; loss per step: (.*)", run.stdout)

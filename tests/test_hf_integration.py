@@ -33,7 +33,12 @@ FAMILY_CONFIGS = {
     "mixtral": {"output_router_logits": True, "num_local_experts": 4, "num_experts_per_tok": 2},
     "qwen2": {},
     "qwen3": {},
-    "qwen3_moe": {"output_router_logits": True, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    "qwen3_moe": {
+        "output_router_logits": True,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+    },
     "gemma": {},
     "gemma2": {"final_logit_softcapping": 5.0},
     "gemma3_text": {"final_logit_softcapping": 5.0},
@@ -203,7 +208,7 @@ def test_autocast_fp32_master_weights():
     assert got.loss.dtype == torch.float32
     assert rel_err(got.loss, expected.loss) < 2e-2
     named = dict(patched.named_parameters())
-    for name, p in ref.named_parameters():
+    for name in dict(ref.named_parameters()):
         assert named[name].grad.dtype == torch.float32
     head = patched.lm_head.weight.grad
     assert rel_err(head, ref.lm_head.weight.grad) < 5e-2
@@ -254,8 +259,14 @@ def test_hf_trainer_passes_num_items_in_batch():
     ids, labels = batch(10, rows=4)
     rows = [{"input_ids": i, "labels": lab} for i, lab in zip(ids.cpu(), labels.cpu(), strict=True)]
     args = TrainingArguments(
-        output_dir="/tmp/flce-trainer-test", per_device_train_batch_size=2, gradient_accumulation_steps=2,
-        max_steps=1, report_to=[], use_cpu=DEVICE == "cpu", save_strategy="no", logging_steps=1,
+        output_dir="/tmp/flce-trainer-test",
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=1,
+        report_to=[],
+        use_cpu=DEVICE == "cpu",
+        save_strategy="no",
+        logging_steps=1,
     )
     Trainer(model=patched, args=args, train_dataset=rows).train()
     assert seen and all(n is not None for n in seen)

@@ -10,13 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_loss_kernel import BT, DEVICE, FP32_TOL, REDUCTIONS, H, V, assert_close, default_grad_output, make_inputs
 
 from flce_policy.geometry import Geometry
 from flce_policy.loss import fused_linear_cross_entropy
 from flce_policy.problem import Problem
 from flce_policy.strategies import FixedChunkSize
-
-from test_loss_kernel import BT, DEVICE, FP32_TOL, H, REDUCTIONS, V, assert_close, default_grad_output, make_inputs
 
 pytestmark = pytest.mark.skipif(
     DEVICE == "cuda" and not torch.cuda.is_available(), reason="the kernels were compiled and there is no CUDA GPU"
@@ -25,13 +24,19 @@ pytestmark = pytest.mark.skipif(
 IGNORE = -100
 
 
-def scaled_reference(x, w, y, b=None, *, reduction="mean", softcap=None, label_smoothing=0.0, z_loss_scale=0.0, cw=None):
+def scaled_reference(
+    x, w, y, b=None, *, reduction="mean", softcap=None, label_smoothing=0.0, z_loss_scale=0.0, cw=None
+):
     """Per-token (CE + z-loss) times detached p_target, reduced like the loss (mean over non-ignored tokens)."""
     logits = F.linear(x, w, b).double()
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     ce = F.cross_entropy(
-        logits, y, weight=None if cw is None else cw.double(), ignore_index=IGNORE, reduction="none",
+        logits,
+        y,
+        weight=None if cw is None else cw.double(),
+        ignore_index=IGNORE,
+        reduction="none",
         label_smoothing=label_smoothing,
     )
     valid = y != IGNORE
@@ -97,8 +102,15 @@ def test_predicted_tokens_are_the_argmax(reduction, ignore_index):
     inputs = make_inputs(n_ignored=6, ignore_index=ignore_index)
     x, w, y = inputs["x"].view(1, BT, H), inputs["w"], inputs["y"].view(1, BT)
     out = fused_linear_cross_entropy(
-        x, w, y, policy=FixedChunkSize(8), reduction=reduction, ignore_index=ignore_index,
-        return_predicted_tokens=True, return_token_accuracy=True, softcap=4.0,
+        x,
+        w,
+        y,
+        policy=FixedChunkSize(8),
+        reduction=reduction,
+        ignore_index=ignore_index,
+        return_predicted_tokens=True,
+        return_token_accuracy=True,
+        softcap=4.0,
     )
     logits = F.linear(x.double(), w.double())
     valid = y != ignore_index

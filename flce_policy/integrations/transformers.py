@@ -60,7 +60,9 @@ def causal_lm_loss(
     """
     for name in _FIXED_OPTIONS[:1]:
         if name in loss_options:
-            raise TypeError(f"causal_lm_loss takes no {name!r}: HF's semantics fix it (sum / num_items_in_batch or mean)")
+            raise TypeError(
+                f"causal_lm_loss takes no {name!r}: HF's semantics fix it (sum / num_items_in_batch or mean)"
+            )
     if labels is None and shift_labels is None:
         raise ValueError("causal_lm_loss needs labels (shifted here) or shift_labels (used as given, as HF does)")
     if shift_labels is None:
@@ -72,7 +74,13 @@ def causal_lm_loss(
         hidden_states = hidden_states * logit_scale
     reduction = "mean" if num_items_in_batch is None else "sum"
     out = fused_linear_cross_entropy(
-        hidden_states, weight, shift_labels, bias, policy=policy, ignore_index=ignore_index, reduction=reduction,
+        hidden_states,
+        weight,
+        shift_labels,
+        bias,
+        policy=policy,
+        ignore_index=ignore_index,
+        reduction=reduction,
         **loss_options,
     )
     if num_items_in_batch is None:
