@@ -19,51 +19,30 @@ form's times over it and over eager. Prints a table and writes everything to OUT
 from __future__ import annotations
 
 import json
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from .methods import Inputs, make_inputs
+from .profile_chunks import kernel_times, wall_and_host_ms
 from .suite import parse_shape
 
 DEFAULT_SHAPES = ("4096x1024x32768", "8192x4096x128256")
 Step = Callable[[], None]
 
 
-def kernel_ms(step: Step, repeats: int = 5) -> float:
+def kernel_ms(step: Step) -> float:
     """Summed CUDA kernel time per call of ``step`` (ms), from the profiler, after a warm-up."""
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(repeats):
-            step()
-        torch.cuda.synchronize()
-    total_us = sum(
-        e.device_time_total for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA
-    )
-    return total_us / 1000 / repeats
+    return sum(kernel_times(step, repeats=5).values())
 
 
-def times_ms(step: Step, repeats: int = 20, pipelined: int = 50) -> dict[str, float]:
+def times_ms(step: Step, pipelined: int = 50) -> dict[str, float]:
     """Median synchronised wall time and host issue time of one step, and the back-to-back mean."""
-    for _ in range(3):
+    for _ in range(2):
         step()
-    walls, hosts = [], []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        began = time.perf_counter()
-        start.record()
-        step()
-        stop.record()
-        hosts.append((time.perf_counter() - began) * 1e3)
-        stop.synchronize()
-        walls.append(start.elapsed_time(stop))
+    wall, host = wall_and_host_ms(step)
     torch.cuda.synchronize()
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -71,11 +50,7 @@ def times_ms(step: Step, repeats: int = 20, pipelined: int = 50) -> dict[str, fl
         step()
     stop.record()
     stop.synchronize()
-    return {
-        "wall_ms": statistics.median(walls),
-        "host_ms": statistics.median(hosts),
-        "pipelined_ms": start.elapsed_time(stop) / pipelined,
-    }
+    return {"wall_ms": wall, "host_ms": host, "pipelined_ms": start.elapsed_time(stop) / pipelined}
 
 
 def loss_steps(inputs: Inputs) -> dict[str, Step]:
@@ -175,15 +150,15 @@ def run_shape(text: str) -> dict[str, Any]:
 
 def show(record: dict[str, Any]) -> None:
     print(f"--- {record['shape']}: {record['kernel_ms']:.3f} ms of kernels per eager step")
-    print(f"  {'form':<16}{'wall ms':>9}{'pipel. ms':>10}{'host ms':>9}{'wall/kern':>10}{'pipel/kern':>11}{'wall/eager':>11}")
+    columns = ("wall ms", "pipel. ms", "host ms", "wall/kern", "pipel/kern", "wall/eager")
+    print(f"  {'form':<16}" + "".join(f"{c:>11}" for c in columns))
     for name, f in record["forms"].items():
         if "error" in f:
             print(f"  {name:<16}{f['error']}")
             continue
-        print(
-            f"  {name:<16}{f['wall_ms']:9.3f}{f['pipelined_ms']:10.3f}{f['host_ms']:9.3f}"
-            f"{f['wall_over_kernels']:10.3f}{f['pipelined_over_kernels']:11.3f}{f.get('wall_over_eager', float('nan')):11.3f}"
-        )
+        keys = ("wall_ms", "pipelined_ms", "host_ms", "wall_over_kernels", "pipelined_over_kernels")
+        values = [f[k] for k in keys] + [f.get("wall_over_eager", float("nan"))]
+        print(f"  {name:<16}" + "".join(f"{v:11.3f}" for v in values))
     if record["cudagraph_skips"]:
         print(f"  cudagraph skips: {record['cudagraph_skips']}")
 

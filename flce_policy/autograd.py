@@ -250,7 +250,17 @@ def rescale(saved: tuple[torch.Tensor | None, ...], grad_loss: torch.Tensor) -> 
 def _recompute_grads(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     x, weight, bias, target, class_weight = ctx.saved_tensors
     grads, ctx.geometry = recompute_grads(
-        x, weight, bias, target, class_weight, ctx.geometry, ctx.options, ctx.want, ctx.fallback, ctx.compute_dtype, grad_loss
+        x,
+        weight,
+        bias,
+        target,
+        class_weight,
+        ctx.geometry,
+        ctx.options,
+        ctx.want,
+        ctx.fallback,
+        ctx.compute_dtype,
+        grad_loss,
     )
     return grads
 

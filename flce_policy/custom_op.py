@@ -20,11 +20,13 @@ where not wanted); ``setup_context`` keeps detached handles on ``ctx`` (not save
 nothing copies them) and backward scales them in place by ``grad_output`` with the in-place op
 ``flce_policy::scale_unless_one_`` (device-side, no host sync, no pass when it is 1), dropping
 its own handle before returning them, so autograd can adopt the buffer the driver allocated as
-``.grad`` without a copy (``tests/test_compile.py`` checks the ``data_ptr`` in eager). No
-parameter-sized buffer is added: the outputs *are* the driver's buffers. Under compile the
-backward graph holds the same buffers as saved activations; the functional form of the in-place
-scale is reinplaced by inductor where it can, and ``aot_eager`` (which never reinplaces) pays a
-clone there. For ``none`` backward is a second op that recomputes, as in eager.
+``.grad`` without a copy. No parameter-sized buffer is added: the outputs *are* the driver's
+buffers. Under compile the backward graph holds the same buffers as saved activations, and
+functionalization turns the in-place scale into a clone plus an in-place op on the clone:
+inductor reinplaces it onto the saved buffer (``tests/test_compile.py`` checks the ``data_ptr``
+of ``.grad`` against the driver's buffer in eager, through the op, and with inductor), while
+``aot_eager``, which never reinplaces, pays that clone. For ``none`` backward is a second op
+that recomputes, as in eager.
 
 Targets. Outside CUDA-graph capture the op checks the target range on the host, as eager does
 (a ValueError, even under ``torch.compile``). While a CUDA graph is being captured a host sync is
@@ -38,7 +40,7 @@ from typing import Any
 
 import torch
 
-from flce_policy.autograd import forward_pass, recompute_grads, rescale
+from flce_policy.autograd import forward_pass, recompute_grads
 from flce_policy.geometry import Geometry
 from flce_policy.kernels.driver import GradRequest
 from flce_policy.kernels.scale import scale_unless_one_
@@ -47,6 +49,7 @@ from flce_policy.policy_keys import DEFAULT_POLICY_KEY, live_policy, policy_key
 from flce_policy.problem import Problem
 
 __all__ = ["compiled_loss"]
+
 
 def _geometry_now(
     x: torch.Tensor, weight: torch.Tensor, logits_dtype: torch.dtype, key: int, rows: int, vocab_chunk: int, accum: str
@@ -64,14 +67,35 @@ def _geometry_now(
     return _geometry_for(live_policy(key), x, weight, logits_dtype)
 
 
+def _plan(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    options: LossOptions,
+    compute_dtype: torch.dtype | None,
+    policy: tuple[int, int, int, str],
+    wants: tuple[bool, bool, bool],
+) -> tuple[Geometry | None, Any, LossOptions, GradRequest]:
+    """The geometry resolved now, its OOM fallback, the options following its plan, and the gradients wanted."""
+    geometry, fallback = _geometry_now(x, weight, compute_dtype or x.dtype, *policy)
+    if geometry is not None:
+        options = options.following(geometry)
+    want = GradRequest(
+        input=wants[0],
+        weight=wants[1],
+        bias=wants[2] and bias is not None,
+        accum_dtype=options.accum_dtype,
+        weight_dtype=None if compute_dtype is None else weight.dtype,
+    )
+    return geometry, fallback, options, want
+
+
 def _host_sync_allowed(device: torch.device) -> bool:
     """False while a CUDA graph is being captured on the current stream (a sync would break it)."""
     return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
-def _checked_targets(
-    target: torch.Tensor, vocab: int, ignore_index: int
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _checked_targets(target: torch.Tensor, vocab: int, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The targets to run and the poison to add (None: checked on the host, a ValueError if bad)."""
     from flce_policy.loss import _check_target_range
 
@@ -83,7 +107,7 @@ def _checked_targets(
     # On the device: bad rows run as ignored (the kernel must not read outside [0, V)), and the
     # loss (and the gradient scale) gets NaN when any row was bad. No host sync.
     bad = ((target < 0) | (target >= vocab)) & (target != ignore_index)
-    nan = torch.tensor(float("nan"), dtype=torch.float32, device=target.device)
+    nan = torch.full((), float("nan"), dtype=torch.float32, device=target.device)  # a fill: capturable
     poison = torch.where(bad.any(), nan, torch.zeros_like(nan))
     return torch.where(bad, torch.full_like(target, ignore_index), target), poison
 
@@ -169,15 +193,14 @@ def _loss_op(
         token_scaling, accum_dtype,
     )  # fmt: skip
     target, poison = _checked_targets(target, weight.shape[0], ignore_index)
-    geometry, fallback = _geometry_now(x, weight, compute_dtype or x.dtype, policy_key, rows, vocab_chunk, accum)
-    if geometry is not None:
-        options = options.following(geometry)
-    want = GradRequest(
-        input=want_input,
-        weight=want_weight,
-        bias=want_bias and bias is not None,
-        accum_dtype=options.accum_dtype,
-        weight_dtype=None if compute_dtype is None else weight.dtype,
+    geometry, fallback, options, want = _plan(
+        x,
+        weight,
+        bias,
+        options,
+        compute_dtype,
+        (policy_key, rows, vocab_chunk, accum),
+        (want_input, want_weight, want_bias),
     )
     with torch.autocast(x.device.type, enabled=False):
         result = forward_pass(
@@ -186,7 +209,9 @@ def _loss_op(
     device = x.device
     if reduction == "none" and poison is not None:
         result = result._replace(loss=result.loss + poison)  # the rows of a bad call are NaN too
-    grads = tuple(g if g is not None else _empty(device, t.dtype) for g, t in zip(result.grads, (x, weight, x)))
+    grads = tuple(
+        g if g is not None else _empty(device, t.dtype) for g, t in zip(result.grads, (x, weight, x), strict=True)
+    )
     predicted = result.predicted if result.predicted is not None else _empty(device, torch.int64)
     return (result.loss, result.z_loss, result.accuracy, predicted, *grads)  # type: ignore[return-value]
 
@@ -238,22 +263,21 @@ def _recompute_op(
     )
     if target.numel() and not _host_sync_allowed(target.device):
         target, _ = _checked_targets(target, weight.shape[0], ignore_index)  # the forward's loss is NaN already
-    geometry, fallback = _geometry_now(x, weight, compute_dtype or x.dtype, policy_key, rows, vocab_chunk, accum)
-    if geometry is not None:
-        options = options.following(geometry)
-    want = GradRequest(
-        input=want_input,
-        weight=want_weight,
-        bias=want_bias and bias is not None,
-        accum_dtype=options.accum_dtype,
-        weight_dtype=None if compute_dtype is None else weight.dtype,
+    geometry, fallback, options, want = _plan(
+        x,
+        weight,
+        bias,
+        options,
+        compute_dtype,
+        (policy_key, rows, vocab_chunk, accum),
+        (want_input, want_weight, want_bias),
     )
     with torch.autocast(x.device.type, enabled=False):
         grads, _ = recompute_grads(
             x, weight, bias, target, class_weight, geometry, options, want, fallback, compute_dtype, grad_loss
         )
     dtypes = (x.dtype, weight.dtype, x.dtype if bias is None else bias.dtype)
-    return tuple(g if g is not None else _empty(x.device, t) for g, t in zip(grads, dtypes))  # type: ignore[return-value]
+    return tuple(g if g is not None else _empty(x.device, t) for g, t in zip(grads, dtypes, strict=True))  # type: ignore[return-value]
 
 
 @_recompute_op.register_fake
@@ -281,7 +305,7 @@ def _(grads, scale):
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
     x, weight, bias, target, class_weight, *scalars = inputs
-    ctx.scalars = dict(zip(_SCALARS, scalars))
+    ctx.scalars = dict(zip(_SCALARS, scalars, strict=True))
     ctx.has_bias = bias is not None
     ctx.mark_non_differentiable(*output[1:])
     if ctx.scalars["reduction"] == "none":
@@ -291,7 +315,7 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor
     wanted = (ctx.scalars["want_input"], ctx.scalars["want_weight"], ctx.scalars["want_bias"] and ctx.has_bias)
     # Detached handles, not saved tensors: saving would make autograd keep (and under some
     # settings copy) them, and a handle with the output's grad_fn would form a reference cycle.
-    ctx.grads = tuple(g.detach() if w else None for g, w in zip(output[4:], wanted))
+    ctx.grads = tuple(g.detach() if w else None for g, w in zip(output[4:], wanted, strict=True))
 
 
 def _backward(ctx: Any, grad_loss: torch.Tensor, *_: Any) -> tuple[Any, ...]:
@@ -301,7 +325,7 @@ def _backward(ctx: Any, grad_loss: torch.Tensor, *_: Any) -> tuple[Any, ...]:
         recompute = (s[name] for name in _SCALARS if name not in ("reduction", "token_accuracy", "predicted_tokens"))
         grads = _recompute_op(x, weight, bias, target, class_weight, grad_loss.contiguous(), *recompute)
         wanted = (s["want_input"], s["want_weight"], s["want_bias"] and ctx.has_bias)
-        grads = tuple(g if w else None for g, w in zip(grads, wanted))
+        grads = tuple(g if w else None for g, w in zip(grads, wanted, strict=True))
     else:
         grads, ctx.grads = ctx.grads, None  # the only other reference: autograd may adopt the buffers
         if grads is None:

@@ -115,7 +115,9 @@ def fused_linear_cross_entropy(
             x, weight, bias, target_flat, class_weight, policy, options, compute_dtype
         )
     else:
-        loss, z_loss, accuracy, predicted = _eager_loss(x, weight, bias, target_flat, class_weight, policy, options, compute_dtype)
+        loss, z_loss, accuracy, predicted = _eager_loss(
+            x, weight, bias, target_flat, class_weight, policy, options, compute_dtype
+        )
     if reduction == "none":
         loss, z_loss = loss.view(target.shape), z_loss.view(target.shape)
     if not (return_z_loss or return_token_accuracy or return_predicted_tokens):

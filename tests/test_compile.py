@@ -13,6 +13,8 @@ import warnings
 
 import pytest
 import torch
+from test_loss_kernel import DEVICE
+from test_loss_kernel import make_inputs as _make_inputs
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -23,9 +25,6 @@ from flce_policy.geometry import Geometry
 from flce_policy.kernels.driver import inject_oom, observe_chunks
 from flce_policy.problem import Problem
 from flce_policy.strategies import FixedChunkSize
-
-from test_loss_kernel import DEVICE
-from test_loss_kernel import make_inputs as _make_inputs
 
 #: Smaller than the other loss tests' 37x61x509: the interpreter runs each call twice (compiled and
 #: eager) here. 19 rows in chunks of 8: three chunks, the last of 3 rows.
@@ -81,7 +80,9 @@ def _assert_same(compiled, eager, what):
         if e is None:
             assert c is None, f"{what}[{i}]"
             continue
-        assert c.dtype == e.dtype and c.shape == e.shape, f"{what}[{i}]: {c.dtype}{tuple(c.shape)} vs {e.dtype}{tuple(e.shape)}"
+        assert c.dtype == e.dtype and c.shape == e.shape, (
+            f"{what}[{i}]: {c.dtype}{tuple(c.shape)} vs {e.dtype}{tuple(e.shape)}"
+        )
         torch.testing.assert_close(c, e, rtol=1e-6, atol=1e-7, equal_nan=False, msg=f"{what}[{i}]")
 
 
@@ -91,7 +92,9 @@ OPTION_SETS = [
         {"softcap": 6.0, "label_smoothing": 0.1, "z_loss_scale": 0.01},
         id="ignored_bias_class_weight_softcap_smoothing_z_loss",
     ),
-    pytest.param({"n_ignored": 4, "ignore_index": -1}, {"ignore_index": -1, "use_token_scaling": True}, id="token_scaling"),
+    pytest.param(
+        {"n_ignored": 4, "ignore_index": -1}, {"ignore_index": -1, "use_token_scaling": True}, id="token_scaling"
+    ),
     pytest.param({"n_ignored": 5}, {"policy": "vocab_tiled", "z_loss_scale": 1e-3}, id="geometry_vocab_tiled"),
 ]
 
@@ -181,7 +184,9 @@ def test_policy_object_is_guarded():
 
 def test_strategy_policy_under_compile_names_the_fix():
     compiled = torch.compile(
-        lambda x, w, y: fused_linear_cross_entropy(x, w, y, policy=FixedChunkSize(8)), fullgraph=True, backend="aot_eager"
+        lambda x, w, y: fused_linear_cross_entropy(x, w, y, policy=FixedChunkSize(8)),
+        fullgraph=True,
+        backend="aot_eager",
     )
     inputs = make_inputs()
     with pytest.raises(Exception, match=r"FLCEPolicy\(default=strategy\)"):
@@ -350,7 +355,9 @@ def test_gradients_are_the_buffers_the_driver_allocated(monkeypatch):
     assert not _grads_are_the_driver_buffers(copying, inputs, seen)
 
 
-@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="inductor on CPU needs a C++ compiler")
+@pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("c++") is None, reason="inductor on CPU needs a C++ compiler"
+)
 def test_inductor_reinplaces_the_scale_no_gradient_copy(monkeypatch):
     seen = _driver_buffers(monkeypatch)
     inputs = make_inputs(n_ignored=3)
