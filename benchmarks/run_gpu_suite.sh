@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU half of the project, in one script, for the H200 the device tool lends:
-#   bash benchmarks/run_gpu_suite.sh [tests] [bench] [quick METHODS SHAPES...]
+#   bash benchmarks/run_gpu_suite.sh [tests] [bench] [compile] [quick METHODS SHAPES...]
+# (compile: the torch.compile GPU tests and benchmarks/compile_bench.py alone)
 # Expects wheels in .whl/ (ours, built with `python -m build --wheel -o .whl`, plus the peers
 # liger-kernel and cut-cross-entropy); installs them into /tmp/site and runs from outside the
 # checkout so the installed package (with its package-dir mapping) is what gets imported.
@@ -21,6 +22,10 @@ while [ $# -gt 0 ]; do
       shift ;;
     bench)
       python3 -m flce_policy.cli bench --out "$out" || status=1
+      shift ;;
+    compile)
+      TRITON_INTERPRET=0 python3 -m pytest "$repo/tests/test_gpu_compile.py" -m gpu -s -q -p no:cacheprovider 2>&1 | tee "$out/gpu_compile_tests.log" || status=1
+      python3 -m flce_policy.benchmarks.compile_bench "$out/compile_bench.json" 2>&1 | tee "$out/compile_bench.log" || status=1
       shift ;;
     quick)
       python3 -m flce_policy.benchmarks.quick "$2" "${@:3}" 2>&1 | tee "$out/quick.log" || status=1

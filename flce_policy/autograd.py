@@ -16,7 +16,7 @@ weight's gradient is accumulated in fp32 by the driver, with no low-precision gr
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -27,7 +27,7 @@ from flce_policy.kernels.scale import scale_unless_one_
 from flce_policy.oom import DEFAULT_OOM_FALLBACK, OOMFallback
 from flce_policy.options import LossOptions
 
-__all__ = ["FLCEFunction"]
+__all__ = ["FLCEFunction", "ForwardResult", "forward_pass", "recompute_grads", "rescale"]
 
 
 def _ce_params(options: LossOptions) -> CEParams:
@@ -104,7 +104,7 @@ class FLCEFunction(torch.autograd.Function):
             grads, ctx.grads = ctx.grads, None
             if grads is None:
                 raise RuntimeError("fused_linear_cross_entropy: backward ran twice through the same call")
-            grads = _rescale(grads, grad_loss)
+            grads = rescale(grads, grad_loss)
         grad_input, grad_weight, grad_bias = grads
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
 
@@ -112,6 +112,19 @@ class FLCEFunction(torch.autograd.Function):
 def _autocast_off(device_type: str) -> Any:
     # The operands are already in the compute dtype; autocast must not recast the fp32 accumulators.
     return torch.autocast(device_type, enabled=False)
+
+
+class ForwardResult(NamedTuple):
+    """What one forward pass produced, with no autograd state: shared by FLCEFunction and the custom op."""
+
+    loss: torch.Tensor
+    z_loss: torch.Tensor
+    accuracy: torch.Tensor
+    predicted: torch.Tensor | None
+    #: (grad_input, grad_weight, grad_bias) in the caller's dtypes, computed in forward for mean/sum
+    #: (None where not wanted, and all None for ``none``, whose backward recomputes).
+    grads: tuple[torch.Tensor | None, ...]
+    geometry: Geometry | None  # the geometry that completed (the OOM fallback may have halved it)
 
 
 def _forward(
@@ -129,8 +142,37 @@ def _forward(
     if options.reduction == "none":
         # the caller's tensors: backward casts again rather than holding a copy between the passes
         ctx.save_for_backward(x, weight, bias, target, class_weight)
-    ctx.caller_dtypes = (x.dtype, None if bias is None else bias.dtype)
-    x, weight, bias = _operands(x, weight, bias, ctx.compute_dtype)
+    result = forward_pass(x, weight, bias, target, class_weight, geometry, options, want, fallback, ctx.compute_dtype)
+    ctx.mark_non_differentiable(*(t for t in (result.z_loss, result.accuracy, result.predicted) if t is not None))
+    # The geometry that completed: reduction none's backward starts from it, not from the one asked for.
+    ctx.options, ctx.geometry, ctx.want, ctx.fallback = options, result.geometry, want, fallback
+    if options.reduction != "none":
+        # Kept off save_for_backward and dropped in backward, so autograd can adopt the
+        # buffers as .grad without copying a parameter-sized tensor.
+        ctx.grads = result.grads
+    return result.loss, result.z_loss, result.accuracy, result.predicted
+
+
+def forward_pass(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    class_weight: torch.Tensor | None,
+    geometry: Geometry | None,
+    options: LossOptions,
+    want: GradRequest,
+    fallback: OOMFallback | None,
+    compute_dtype: torch.dtype | None,
+    poison: torch.Tensor | None = None,
+) -> ForwardResult:
+    """The loss (and for mean/sum the gradients) of one call, on the caller's tensors.
+
+    ``poison`` (a 0-dim fp32 tensor, 0 or NaN) is added to the loss and to the gradient scale:
+    the custom op's device-side answer to out-of-range targets where no host sync is allowed.
+    """
+    caller_dtypes = (x.dtype, None if bias is None else bias.dtype)
+    x, weight, bias = _operands(x, weight, bias, compute_dtype)
     params = _ce_params(options)
     denominators = _denominators(target, class_weight, options.ignore_index)
     # Only an empty denominator is replaced (a class-weight mass may legitimately be < 1).
@@ -139,6 +181,8 @@ def _forward(
     grad_scale = None
     if in_forward.any:
         grad_scale = safe_denominators.reciprocal() if options.reduction == "mean" else torch.ones_like(denominators)
+        if poison is not None:
+            grad_scale = grad_scale + poison  # NaN gradients, not silently plausible ones
 
     if geometry is None:  # empty input: no rows, nothing to run
         out = _empty_outputs(x, weight, bias, in_forward, params)
@@ -166,26 +210,23 @@ def _forward(
     else:
         z_loss = z_rows.sum() / safe_denominators[1]
         loss = out.loss_rows.sum() / safe_denominators[0] + z_loss
+    if poison is not None:
+        loss = loss + poison
     if options.return_token_accuracy:
         correct = (out.argmax_rows == target) & (target != options.ignore_index)
         accuracy = correct.sum(dtype=torch.float32) / safe_denominators[1]
     else:
         accuracy = torch.zeros((), dtype=torch.float32, device=x.device)
     predicted = out.argmax_rows if options.return_predicted_tokens else None
-    ctx.mark_non_differentiable(*(t for t in (z_loss, accuracy, predicted) if t is not None))
-
-    # The geometry that completed: reduction none's backward starts from it, not from the one asked for.
-    ctx.options, ctx.geometry, ctx.want, ctx.fallback = options, geometry, want, fallback
-    if options.reduction != "none":
-        # Kept off save_for_backward and dropped in backward, so autograd can adopt the
-        # buffers as .grad without copying a parameter-sized tensor.
-        ctx.grads = _in_caller_dtypes(ctx, out)
-    return loss, z_loss, accuracy, predicted
+    grads = _in_caller_dtypes(caller_dtypes, out) if options.reduction != "none" else (None, None, None)
+    return ForwardResult(loss, z_loss, accuracy, predicted, grads, geometry)
 
 
-def _in_caller_dtypes(ctx: Any, out: DriverOutputs) -> tuple[torch.Tensor | None, ...]:
+def _in_caller_dtypes(
+    caller_dtypes: tuple[torch.dtype, torch.dtype | None], out: DriverOutputs
+) -> tuple[torch.Tensor | None, ...]:
     """The gradients in the dtypes of the tensors the caller passed (they differ under autocast only)."""
-    input_dtype, bias_dtype = ctx.caller_dtypes
+    input_dtype, bias_dtype = caller_dtypes
     grad_input, grad_bias = out.grad_input, out.grad_bias
     if grad_input is not None and grad_input.dtype != input_dtype:
         grad_input = grad_input.to(input_dtype)
@@ -194,9 +235,12 @@ def _in_caller_dtypes(ctx: Any, out: DriverOutputs) -> tuple[torch.Tensor | None
     return grad_input, out.grad_weight, grad_bias
 
 
-def _rescale(saved: tuple[torch.Tensor | None, ...], grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-    # In place, on the device: no host sync, no pass when grad_output == 1 (the usual
-    # loss.backward()), and no second parameter-sized grad_weight when it is not.
+def rescale(saved: tuple[torch.Tensor | None, ...], grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """Mean/sum's backward: the gradients computed in forward times ``grad_loss``, in place.
+
+    In place, on the device: no host sync, no pass when grad_output == 1 (the usual
+    loss.backward()), and no second parameter-sized grad_weight when it is not.
+    """
     for g in saved:
         if g is not None:
             scale_unless_one_(g, grad_loss)
@@ -205,25 +249,58 @@ def _rescale(saved: tuple[torch.Tensor | None, ...], grad_loss: torch.Tensor) ->
 
 def _recompute_grads(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     x, weight, bias, target, class_weight = ctx.saved_tensors
-    if ctx.geometry is None:
-        return _empty_outputs(x, weight, bias, ctx.want, CEParams())[3:]
-    ctx.caller_dtypes = (x.dtype, None if bias is None else bias.dtype)
-    x, weight, bias = _operands(x, weight, bias, ctx.compute_dtype)
-    row_scale = grad_loss.reshape(-1).to(torch.float32).contiguous()
-    out, ctx.geometry = run_with_oom_fallback(
+    grads, ctx.geometry = recompute_grads(
         x,
         weight,
         bias,
         target,
+        class_weight,
         ctx.geometry,
-        _ce_params(ctx.options),
+        ctx.options,
         ctx.want,
         ctx.fallback,
+        ctx.compute_dtype,
+        grad_loss,
+    )
+    return grads
+
+
+def recompute_grads(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    class_weight: torch.Tensor | None,
+    geometry: Geometry | None,
+    options: LossOptions,
+    want: GradRequest,
+    fallback: OOMFallback | None,
+    compute_dtype: torch.dtype | None,
+    grad_loss: torch.Tensor,
+) -> tuple[tuple[torch.Tensor | None, ...], Geometry | None]:
+    """Reduction none's backward: the chunks again, each row's dL/dlogits times its ``grad_loss``.
+
+    Returns the gradients in the caller's dtypes and the geometry that completed.
+    """
+    if geometry is None:
+        return _empty_outputs(x, weight, bias, want, CEParams())[3:], None
+    caller_dtypes = (x.dtype, None if bias is None else bias.dtype)
+    x, weight, bias = _operands(x, weight, bias, compute_dtype)
+    row_scale = grad_loss.reshape(-1).to(torch.float32).contiguous()
+    out, geometry = run_with_oom_fallback(
+        x,
+        weight,
+        bias,
+        target,
+        geometry,
+        _ce_params(options),
+        want,
+        fallback,
         class_weight=class_weight,
         grad_scale=row_scale,
         scale_per_row=True,
     )
-    return _in_caller_dtypes(ctx, out)
+    return _in_caller_dtypes(caller_dtypes, out), geometry
 
 
 def _empty_outputs(

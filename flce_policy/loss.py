@@ -102,17 +102,22 @@ def fused_linear_cross_entropy(
         return_predicted_tokens=return_predicted_tokens,
     )
     compute_dtype = autocast_dtype(input, weight, bias)
-    x, target_flat, class_weight = _check_tensors(input, weight, target, bias, class_weight, options, compute_dtype)
-    logits_dtype = compute_dtype or x.dtype
-    geometry, fallback = _geometry_for(policy, x, weight, logits_dtype) if x.shape[0] else (None, None)
-    if geometry is not None:
-        options = options.following(geometry)
-
-    from flce_policy.autograd import FLCEFunction
-
-    loss, z_loss, accuracy, predicted = FLCEFunction.apply(
-        x, weight, bias, target_flat, class_weight, geometry, options, torch.is_grad_enabled(), fallback, compute_dtype
+    compiling = torch.compiler.is_compiling()
+    # Under torch.compile the target range is checked inside the custom op, at run time.
+    x, target_flat, class_weight = _check_tensors(
+        input, weight, target, bias, class_weight, options, compute_dtype, check_targets=not compiling
     )
+    if compiling:
+        # One opaque node (flce_policy/custom_op.py): the geometry is resolved inside it at run time.
+        from flce_policy.custom_op import compiled_loss
+
+        loss, z_loss, accuracy, predicted = compiled_loss(
+            x, weight, bias, target_flat, class_weight, policy, options, compute_dtype
+        )
+    else:
+        loss, z_loss, accuracy, predicted = _eager_loss(
+            x, weight, bias, target_flat, class_weight, policy, options, compute_dtype
+        )
     if reduction == "none":
         loss, z_loss = loss.view(target.shape), z_loss.view(target.shape)
     if not (return_z_loss or return_token_accuracy or return_predicted_tokens):
@@ -122,6 +127,28 @@ def fused_linear_cross_entropy(
         z_loss if return_z_loss else None,
         accuracy if return_token_accuracy else None,
         predicted.view(target.shape) if return_predicted_tokens else None,
+    )
+
+
+def _eager_loss(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    class_weight: torch.Tensor | None,
+    policy: Any,
+    options: LossOptions,
+    compute_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The geometry resolved here, then the autograd Function: ``(loss, z_loss, accuracy, predicted)``."""
+    geometry, fallback = _geometry_for(policy, x, weight, compute_dtype or x.dtype) if x.shape[0] else (None, None)
+    if geometry is not None:
+        options = options.following(geometry)
+
+    from flce_policy.autograd import FLCEFunction
+
+    return FLCEFunction.apply(
+        x, weight, bias, target, class_weight, geometry, options, torch.is_grad_enabled(), fallback, compute_dtype
     )
 
 
@@ -202,10 +229,13 @@ def _check_tensors(
     class_weight: torch.Tensor | None,
     options: LossOptions,
     compute_dtype: torch.dtype | None = None,
+    *,
+    check_targets: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Validate shapes, dtypes, devices and target range; return flattened input/target and fp32 weights.
 
     ``compute_dtype`` (autocast) lets input, weight and bias differ in dtype: all are cast to it.
+    ``check_targets=False`` leaves the range check (a host sync) to the custom op under compile.
     """
     for name, tensor in (("input", input), ("weight", weight), ("target", target)):
         if not isinstance(tensor, torch.Tensor):
@@ -253,7 +283,7 @@ def _check_tensors(
     target_flat = target.reshape(-1).to(torch.int64)
     if not target_flat.is_contiguous():
         target_flat = target_flat.contiguous()
-    if target_flat.numel():
+    if check_targets and target_flat.numel():
         _check_target_range(target_flat, vocab, options.ignore_index)
     return x, target_flat, class_weight
 

@@ -153,6 +153,9 @@ class FLCEPolicy:
         self.source = source
         self._cache: dict[tuple[Problem, DeviceInfo], Geometry | _AskEachCall] = {}
         self._probed: DeviceInfo | None = None
+        from flce_policy.policy_keys import register_policy  # the compiled loss finds it by id
+
+        register_policy(self)
 
     # --- loading and saving ----------------------------------------------------------------------
 

@@ -1,0 +1,181 @@
+"""Eager vs ``torch.compile`` of the loss: ``python -m flce_policy.benchmarks.compile_bench OUT.json [BTxHxV...]``.
+
+For each shape (default 4096x1024x32768 and 8192x4096x128256, bf16, ~1% ignored targets), one
+fwd+bwd of the loss (x and W needing grad) in four forms, measured in one run:
+
+- ``eager``: ``fused_linear_cross_entropy`` as called in a training loop;
+- ``compiled``: ``torch.compile(fullgraph=True)`` (inductor), the loss one custom-op node;
+- ``reduce_overhead``: ``mode="reduce-overhead"``: fwd and bwd replayed as CUDA graphs;
+- ``hf_eager`` / ``hf_compiled``: a two-layer Llama with ``apply_flce``, when transformers and
+  the integration are installed (shape's H and V, 4 heads of 2 layers; a training step).
+
+Per form: ``wall_ms`` (CUDA events around one step after a synchronize: GPU time plus the launch
+latency the host adds), ``pipelined_ms`` (N back-to-back steps / N, the host free to run ahead:
+a host-bound step shows here) and ``host_ms`` (time to issue one step). ``kernel_ms`` is the sum
+of the CUDA kernels' own time per step (torch.profiler) of the eager loss; the ratios are each
+form's times over it and over eager. Prints a table and writes everything to OUT.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .methods import Inputs, make_inputs
+from .profile_chunks import kernel_times, wall_and_host_ms
+from .suite import parse_shape
+
+DEFAULT_SHAPES = ("4096x1024x32768", "8192x4096x128256")
+Step = Callable[[], None]
+
+
+def kernel_ms(step: Step) -> float:
+    """Summed CUDA kernel time per call of ``step`` (ms), from the profiler, after a warm-up."""
+    return sum(kernel_times(step, repeats=5).values())
+
+
+def times_ms(step: Step, pipelined: int = 50) -> dict[str, float]:
+    """Median synchronised wall time and host issue time of one step, and the back-to-back mean."""
+    for _ in range(2):
+        step()
+    wall, host = wall_and_host_ms(step)
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(pipelined):
+        step()
+    stop.record()
+    stop.synchronize()
+    return {"wall_ms": wall, "host_ms": host, "pipelined_ms": start.elapsed_time(stop) / pipelined}
+
+
+def loss_steps(inputs: Inputs) -> dict[str, Step]:
+    from flce_policy import fused_linear_cross_entropy
+
+    x = inputs.x.detach().requires_grad_()
+    w = inputs.weight.detach().requires_grad_()
+    y = inputs.target
+
+    def loss_of(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return fused_linear_cross_entropy(x, w, y)
+
+    def stepper(fn: Callable[..., torch.Tensor], graphs: bool = False) -> Step:
+        def step() -> None:
+            if graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            fn(x, w, y).backward()
+            x.grad = None
+            w.grad = None
+
+        return step
+
+    # Static addresses: CUDA graphs would otherwise copy x and W into their own buffers every
+    # replay (a parameter-sized copy an nn.Parameter, which a real model passes, never pays).
+    torch._dynamo.mark_static_address(x)
+    torch._dynamo.mark_static_address(w)
+    return {
+        "eager": stepper(loss_of),
+        "compiled": stepper(torch.compile(loss_of, fullgraph=True)),
+        "reduce_overhead": stepper(torch.compile(loss_of, fullgraph=True, mode="reduce-overhead"), graphs=True),
+    }
+
+
+def hf_steps(tokens: int, hidden: int, vocab: int) -> dict[str, Step]:
+    """An apply_flce-patched two-layer Llama training step, eager and compiled; {} when unavailable."""
+    try:
+        import transformers
+
+        from flce_policy.integrations.transformers import apply_flce  # type: ignore[attr-defined]
+    except ImportError as err:
+        print(f"hf rows skipped: {err}")
+        return {}
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=max(1, hidden // 128), num_key_value_heads=max(1, hidden // 128),
+        max_position_embeddings=tokens,
+    )  # fmt: skip
+    batch, seq = max(1, tokens // 2048), min(tokens, 2048)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(0, vocab, (batch, seq), device="cuda", generator=gen)
+    steps = {}
+    for name, compile_it in (("hf_eager", False), ("hf_compiled", True)):
+        model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16)
+        apply_flce(model)
+        model.train()
+
+        def forward(ids: torch.Tensor, model: Any = model) -> torch.Tensor:
+            return model(input_ids=ids, labels=ids).loss
+
+        fn = torch.compile(forward, fullgraph=True) if compile_it else forward
+
+        def step(fn: Callable[..., torch.Tensor] = fn, model: Any = model) -> None:
+            fn(ids).backward()
+            model.zero_grad(set_to_none=True)
+
+        steps[name] = step
+    return steps
+
+
+def run_shape(text: str) -> dict[str, Any]:
+    tokens, hidden, vocab = parse_shape(text)
+    inputs = make_inputs(tokens, hidden, vocab, logit_std=4.0)
+    steps = loss_steps(inputs)
+    record: dict[str, Any] = {"shape": text, "kernel_ms": kernel_ms(steps["eager"]), "forms": {}}
+    for name, step in {**steps, **hf_steps(tokens, hidden, vocab)}.items():
+        try:
+            record["forms"][name] = times_ms(step)
+        except Exception as err:  # noqa: BLE001 - one failing form is reported, not fatal
+            record["forms"][name] = {"error": f"{type(err).__name__}: {err}"}
+    from torch._dynamo.utils import counters
+
+    record["cudagraph_skips"] = dict(counters["inductor"]["cudagraph_skips"])
+    kernels, eager = record["kernel_ms"], record["forms"]["eager"]
+    for name, form in record["forms"].items():
+        if "error" in form:
+            continue
+        form["wall_over_kernels"] = form["wall_ms"] / kernels
+        form["pipelined_over_kernels"] = form["pipelined_ms"] / kernels
+        reference = record["forms"].get("hf_eager") if name.startswith("hf_") else eager
+        if reference and "error" not in reference:
+            form["wall_over_eager"] = form["wall_ms"] / reference["wall_ms"]
+            form["pipelined_over_eager"] = form["pipelined_ms"] / reference["pipelined_ms"]
+    del inputs, steps
+    torch.cuda.empty_cache()
+    return record
+
+
+def show(record: dict[str, Any]) -> None:
+    print(f"--- {record['shape']}: {record['kernel_ms']:.3f} ms of kernels per eager step")
+    columns = ("wall ms", "pipel. ms", "host ms", "wall/kern", "pipel/kern", "wall/eager")
+    print(f"  {'form':<16}" + "".join(f"{c:>11}" for c in columns))
+    for name, f in record["forms"].items():
+        if "error" in f:
+            print(f"  {name:<16}{f['error']}")
+            continue
+        keys = ("wall_ms", "pipelined_ms", "host_ms", "wall_over_kernels", "pipelined_over_kernels")
+        values = [f[k] for k in keys] + [f.get("wall_over_eager", float("nan"))]
+        print(f"  {name:<16}" + "".join(f"{v:11.3f}" for v in values))
+    if record["cudagraph_skips"]:
+        print(f"  cudagraph skips: {record['cudagraph_skips']}")
+
+
+def main(argv: list[str]) -> None:
+    if not argv or argv[0].startswith("-"):
+        raise SystemExit("usage: python -m flce_policy.benchmarks.compile_bench OUT.json [BTxHxV ...]")
+    out, shapes = argv[0], argv[1:] or list(DEFAULT_SHAPES)
+    meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0)}
+    records = []
+    for text in shapes:
+        records.append(run_shape(text))
+        show(records[-1])
+    with open(out, "w") as fh:
+        json.dump({**meta, "shapes": records}, fh, indent=2)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
