@@ -27,13 +27,9 @@ import torch.distributed as dist
 
 from .ce_kernel import CEWorkspace
 
-__all__ = ["VocabShard", "COLLECTIVES_PER_CHUNK", "COLLECTIVE_BYTES_PER_ROW"]
+__all__ = ["VocabShard"]
 
-#: All-reduces per row chunk (one MAX, one SUM); the cost model counts them from here.
-COLLECTIVES_PER_CHUNK = 2
-#: Bytes all-reduced per row per chunk: one int64 key, four fp32 sums.
-COLLECTIVE_BYTES_PER_ROW = 8 + 4 * 4
-
+# What this sends per row and chunk is counted for the cost model in flce_policy.collectives.
 _LOW32 = (1 << 32) - 1
 
 

@@ -20,7 +20,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
+from test_loss_kernel import FP32_TOL, assert_close, make_inputs, reference
+from test_token_scaling_autocast import scaled_reference
 
 from flce_policy.geometry import Geometry
 from flce_policy.kernels.ce_kernel import KERNELS_INTERPRETED
@@ -28,9 +29,6 @@ from flce_policy.kernels.driver import observe_chunks
 from flce_policy.loss import fused_linear_cross_entropy
 from flce_policy.problem import Problem
 from flce_policy.strategies import FixedChunkSize, SlabBudget
-
-from test_loss_kernel import FP32_TOL, assert_close, make_inputs, reference
-from test_token_scaling_autocast import scaled_reference
 
 pytestmark = pytest.mark.skipif(not KERNELS_INTERPRETED, reason="CPU gloo tests run the kernels under the interpreter")
 
@@ -215,9 +213,7 @@ def _group_of_one(rank, world):
     start, stop = _shard_range(rank, world)
     y = inputs["y"].clone()
     y[0] = stop  # outside this rank's shard, and its group holds no other
-    _expect_error(
-        ValueError, "1 shard", fused_linear_cross_entropy, x, w[start:stop], y, tp_group=singletons[rank]
-    )
+    _expect_error(ValueError, "1 shard", fused_linear_cross_entropy, x, w[start:stop], y, tp_group=singletons[rank])
 
 
 def _expect_error(kind, text, fn, *args, **kwargs):
@@ -233,29 +229,28 @@ def _bad_input(rank, world):
     """Clear errors, raised on every rank alike (no rank is left waiting in a collective)."""
     inputs = make_inputs(BT, H, V)
     start, stop = _shard_range(rank, world)
-    x, y, group = inputs["x"], inputs["y"], dist.group.WORLD
-    short = x.new_empty(0, H)
+    x, y, w = inputs["x"], inputs["y"], inputs["w"][start:stop]
+
+    def flce(x, w, y, **kw):
+        return fused_linear_cross_entropy(x, w, y, **{"tp_group": dist.group.WORLD, **kw})
+
     # shards that do not cover the targets: the last rank holds one class fewer than the target range
-    last = stop - 1 if rank == world - 1 else stop
     y_top = y.clone()
     y_top[0] = V - 1
-    _expect_error(ValueError, "shard(s) hold", fused_linear_cross_entropy, x, inputs["w"][start:last], y_top, tp_group=group)
+    _expect_error(ValueError, "shard(s) hold", flce, x, w[: -1 if rank == world - 1 else None], y_top)
     # ranks that disagree: options, targets, rows
-    other = {"label_smoothing": 0.1 if rank == world - 1 else 0.0}
-    _expect_error(ValueError, "disagree on label_smoothing", fused_linear_cross_entropy, x, inputs["w"][start:stop], y, tp_group=group, **other)
+    _expect_error(ValueError, "disagree on label_smoothing", flce, x, w, y, label_smoothing=0.1 * (rank == 1))
     y_other = y.clone()
-    if rank == 1:
-        y_other[3] = (y_other[3] + 1) % V
-    _expect_error(ValueError, "disagree on targets", fused_linear_cross_entropy, x, inputs["w"][start:stop], y_other, tp_group=group)
+    y_other[3] += rank == 1
+    _expect_error(ValueError, "disagree on targets", flce, x, w, y_other)
     rows = 5 if rank == 0 else BT
-    _expect_error(ValueError, "disagree on tokens", fused_linear_cross_entropy, x[:rows], inputs["w"][start:stop], y[:rows], tp_group=group)
+    _expect_error(ValueError, "disagree on tokens", flce, x[:rows], w, y[:rows])
     # an empty shard, a bad tp_grad_input, a group that is not a group
-    _expect_error(ValueError, "empty vocab shard", fused_linear_cross_entropy, x, inputs["w"][:0], y, tp_group=group)
-    _expect_error(ValueError, "tp_grad_input", fused_linear_cross_entropy, x, inputs["w"][start:stop], y, tp_group=group, tp_grad_input="sum")
-    _expect_error(TypeError, "ProcessGroup", fused_linear_cross_entropy, x, inputs["w"][start:stop], y, tp_group="tp")
-    # empty input still agrees and returns zeros
-    out = fused_linear_cross_entropy(short, inputs["w"][start:stop], y[:0], tp_group=group)
-    assert out.item() == 0.0
+    _expect_error(ValueError, "empty vocab shard", flce, x, w[:0], y)
+    _expect_error(ValueError, "tp_grad_input", flce, x, w, y, tp_grad_input="sum")
+    _expect_error(TypeError, "ProcessGroup", flce, x, w, y, tp_group="tp")
+    # empty input still agrees, and is 0
+    assert flce(x[:0], w, y[:0]).item() == 0.0
     # a DTensor weight: replicated instead of sharded, or a group other than its mesh's
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -265,7 +260,7 @@ def _bad_input(rank, world):
     _expect_error(ValueError, "sharded on dim 0", fused_linear_cross_entropy, x, replicated, y)
     singleton = [dist.new_group([r]) for r in range(world)][rank]
     sharded = distribute_tensor(inputs["w"], mesh, [Shard(0)])
-    _expect_error(ValueError, "mesh", fused_linear_cross_entropy, x, sharded, y, tp_group=singleton)
+    _expect_error(ValueError, "mesh", flce, x, sharded, y, tp_group=singleton)
 
 
 CHECKS: dict[str, Callable[[int, int], None]] = {
