@@ -167,6 +167,26 @@ def _partial_grad_input(rank, world):
     assert_close(summed, whole, FP32_TOL, "sum of the shares")
 
 
+def _autocast(rank, world):
+    """bf16 autocast over an fp32 master shard: what the unsharded autocast call gives, in the caller's dtypes."""
+    inputs = make_inputs(BT, H, V, bias=True, n_ignored=2)
+    start, stop = _shard_range(rank, world)
+    results = []
+    for w_part, b_part, tp in ((start, stop, dist.group.WORLD), (0, V, None)):
+        x = inputs["x"].clone().requires_grad_()
+        w = inputs["w"][w_part:b_part].clone().requires_grad_()
+        b = inputs["b"][w_part:b_part].clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = fused_linear_cross_entropy(x, w, inputs["y"], b, policy=CHUNKS, tp_group=tp, z_loss_scale=1e-3)
+        results.append((loss, *torch.autograd.grad(loss, (x, w, b))))
+    (loss, gx, gw, gb), (ref, rx, rw, rb) = results
+    assert gw.dtype == torch.float32 and gx.dtype == torch.float32
+    assert_close(loss, ref, 1e-5, "loss")
+    assert_close(gx, rx, 1e-2, "grad_input")  # bf16 logits rounded alike; grad_input summed in another order
+    assert_close(gw, rw[start:stop], 1e-5, "grad_weight (shard)")
+    assert_close(gb, rb[start:stop], 1e-5, "grad_bias (shard)")
+
+
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -275,6 +295,7 @@ CHECKS: dict[str, Callable[[int, int], None]] = {
     "vocab_tiled": _vocab_tiled,
     "chunk_sizes_agree": _chunk_sizes_agree,
     "partial_grad_input": _partial_grad_input,
+    "autocast": _autocast,
     "dtensor_colwise": _dtensor_colwise,
     "group_of_one": _group_of_one,
     "bad_input": _bad_input,
