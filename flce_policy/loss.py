@@ -17,7 +17,7 @@ from torch import nn
 from flce_policy.geometry import Geometry
 from flce_policy.options import LossOptions, Reduction
 from flce_policy.problem import Problem
-from flce_policy.vocab_parallel import is_dtensor, prepare_vocab_parallel
+from flce_policy.vocab_parallel import GradInputMode, is_dtensor, prepare_vocab_parallel
 
 if TYPE_CHECKING:
     from flce_policy.oom import OOMFallback
@@ -62,7 +62,7 @@ def fused_linear_cross_entropy(
     use_token_scaling: bool = False,
     return_predicted_tokens: bool = False,
     tp_group: Any = None,
-    tp_grad_input: str = "full",
+    tp_grad_input: GradInputMode = "full",
 ) -> torch.Tensor | FLCEOutput:
     """``cross_entropy(input @ weight.T + bias, target)`` without materialising the logits.
 
