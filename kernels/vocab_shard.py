@@ -15,6 +15,8 @@ Two collectives per row chunk, both on ``[rows]`` vectors, never on logits:
 2. SUM of ``[4, rows]`` fp32: ``d * exp(m - M)`` (so ``lse = M + log(sum)``), the target logit
    (the rank holding the target contributes it, the others 0), and the label-smoothing sums
    ``sum_c w_c z_c`` and ``sum_c w_c``.
+
+The cost model counts these from :mod:`flce_policy.collectives` (keep the two in step).
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from .ce_kernel import CEWorkspace
 
 __all__ = ["VocabShard"]
 
-# What this sends per row and chunk is counted for the cost model in flce_policy.collectives.
 _LOW32 = (1 << 32) - 1
 
 
