@@ -38,6 +38,7 @@ def _ce_params(options: LossOptions) -> CEParams:
         z_loss_scale=float(options.z_loss_scale),
         track_argmax=options.return_token_accuracy or options.return_predicted_tokens,
         token_scaling=options.use_token_scaling,
+        shard=options.vocab_shard,
     )
 
 

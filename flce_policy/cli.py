@@ -25,7 +25,7 @@ from rich.table import Table
 from flce_policy.config import CONFIG_VERSION, ConfigError
 from flce_policy.device import DeviceInfo
 from flce_policy.policy import CONFIG_ENV_VAR, FLCEPolicy
-from flce_policy.problem import Problem
+from flce_policy.problem import Problem, vocab_shard_sizes
 from flce_policy.strategies import BUILTIN_STRATEGIES, strategy_from_config
 from flce_policy.units import format_bytes
 
@@ -159,6 +159,13 @@ def _add_problem_args(parser: argparse.ArgumentParser, *, model_default: str | N
     parser.add_argument("--hidden", type=_positive_int, metavar="H", help="hidden size H")
     parser.add_argument("--tokens", type=_positive_int, default=DEFAULT_TOKENS, metavar="BT", help="token rows BT")
     parser.add_argument("--dtype", default="bfloat16", help="logits dtype: bfloat16 (default), float16, float32")
+    parser.add_argument(
+        "--tp-size",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="vocab-parallel head over N ranks: V is split as a Shard(0) DTensor, the problem is rank 0's shard",
+    )
 
 
 def _problem(args: argparse.Namespace) -> Problem:
@@ -167,7 +174,15 @@ def _problem(args: argparse.Namespace) -> Problem:
     hidden = args.hidden if args.hidden is not None else (preset.hidden if preset else None)
     if vocab is None or hidden is None:
         raise _UsageError("give --model, or both --vocab and --hidden")
-    return Problem(tokens=args.tokens, hidden=hidden, vocab=vocab, dtype=args.dtype)
+    shards = _shards(vocab, args.tp_size)
+    return Problem(tokens=args.tokens, hidden=hidden, vocab=shards[0], dtype=args.dtype, tp_size=args.tp_size)
+
+
+def _shards(vocab: int, tp_size: int) -> list[int]:
+    shards = vocab_shard_sizes(vocab, tp_size)
+    if not all(shards):
+        raise _UsageError(f"V={vocab} over --tp-size {tp_size} leaves rank {shards.index(0)} an empty vocab shard")
+    return shards
 
 
 def _policy(args: argparse.Namespace) -> FLCEPolicy:
@@ -242,10 +257,34 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     if device is None:
         _print_table(policy, problem, DeviceInfo.known(), as_json=args.json, title=title)
     elif args.json:
-        _print_json(policy.explain_dict(problem, device, master_dtype=args.master_dtype))
+        ranks = _tp_ranks(policy, problem, device, args) if problem.tp_size > 1 else None
+        decision = policy.explain_dict(problem, device, master_dtype=args.master_dtype)
+        _print_json({**decision, **({"tp_ranks": ranks} if ranks else {})})
     else:
         _console().print(policy.explain(problem, device, master_dtype=args.master_dtype))
+        if problem.tp_size > 1:
+            _print_tp_ranks(_tp_ranks(policy, problem, device, args))
     return 0
+
+
+def _tp_ranks(policy: FLCEPolicy, problem: Problem, device: DeviceInfo, args: argparse.Namespace) -> list[dict]:
+    """Each rank's shard and the geometry the policy resolves for it; the loss runs every rank at the
+    smallest chunk among them (flce_policy.vocab_parallel: the row chunks' collectives pair up)."""
+    vocab = args.vocab if args.vocab is not None else MODEL_PRESETS[args.model].vocab
+    shards = _shards(vocab, problem.tp_size)
+    geometries = [policy.resolve(problem.model_copy(update={"vocab": rows}), device) for rows in shards]
+    rows = min(g.chunk_size for g in geometries)
+    return [
+        {"rank": rank, "vocab_shard": shards[rank], "chosen": g.describe(), "chunk_size": g.chunk_size, "runs_at": rows}
+        for rank, g in enumerate(geometries)
+    ]
+
+
+def _print_tp_ranks(ranks: list[dict]) -> None:
+    console = _console()
+    console.print(f"TP ranks:    {len(ranks)}; the group runs chunks of {ranks[0]['runs_at']} rows (the smallest)")
+    for r in ranks:
+        console.print(f"  rank {r['rank']}: {r['vocab_shard']} classes: {r['chosen']}")
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:

@@ -11,7 +11,11 @@ Terms (seconds), each traced to measurements on the H200 (benchmarks/notes/READM
   fp32 ``[chunk_size, H]`` accumulator, for every row;
 - the CE kernels: two reads and one write of all logits at ``ce_efficiency`` of HBM;
 - late vocab tiles (flce_policy.accumulator) computed a third time: their logits GEMM and a
-  read and a write of their logits.
+  read and a write of their logits;
+- vocab parallel (``problem.tp_size > 1``, the problem being one rank's shard): the collectives of
+  :func:`flce_policy.collectives.comm_plan`, each paying ``collective_latency_s`` plus a ring
+  all-reduce's ``2 (n - 1) / n`` of its bytes at ``link_bytes_per_s``. These two rates are
+  ASSUMED (NVLink-class all-reduce bus bandwidth and small-message latency), not yet measured.
 At 8192x5376x262144 this predicts 140 / 106 / 102 ms for 256 / 2048 / 8192-row chunks and
 137 ms for 8192-column vocab tiles, against 146 / 107 / 104 and 143 ms measured on the H200
 (benchmarks/results/2026-11-29-h200-vocab-tiled); tests/test_fastest.py holds every measured row
@@ -24,10 +28,20 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from flce_policy.accumulator import accumulator_layout
+from flce_policy.collectives import comm_plan
 from flce_policy.device import DeviceInfo
 from flce_policy.geometry import Geometry
 
-__all__ = ["DeviceRates", "RATES", "rates_for", "predict_seconds", "TimeEstimate", "rate_coefficients", "fit_rates"]
+__all__ = [
+    "DeviceRates",
+    "RATES",
+    "rates_for",
+    "predict_seconds",
+    "collective_seconds",
+    "TimeEstimate",
+    "rate_coefficients",
+    "fit_rates",
+]
 
 
 class DeviceRates(NamedTuple):
@@ -37,6 +51,8 @@ class DeviceRates(NamedTuple):
     hbm_bytes_per_s: float
     ce_efficiency: float = 0.8  # CE kernels reach ~3.4 of 4.3 TB/s on H200
     fp32_rmw_efficiency: float = 0.8  # cuBLAS bf16 x bf16 -> fp32 accumulate, beta=1
+    link_bytes_per_s: float = 3.0e11  # all-reduce bus bandwidth between the TP ranks (assumed, NVLink class)
+    collective_latency_s: float = 2.5e-5  # one small all-reduce (assumed)
 
 
 #: H200: CALIBRATED by :func:`fit_rates` on the fixed-chunk rows and floors of
@@ -62,7 +78,7 @@ RATES: dict[str, DeviceRates] = {
     "GB300": _derived(2500, 8.0),
     "A100": _derived(312, 2.04),
     "A800": _derived(312, 2.04),
-    "L40S": _derived(362, 0.864),
+    "L40S": _derived(362, 0.864)._replace(link_bytes_per_s=2.0e10),  # PCIe, no NVLink
 }
 
 
@@ -101,8 +117,17 @@ def predict_seconds(geometry: Geometry, rates: DeviceRates, *, accum_dtype: str 
         "late_tiles": recomputed_columns
         * p.tokens
         * (2.0 * p.hidden / rates.matmul_flops + 2 * item / (hbm * rates.ce_efficiency)),
+        "tp_collectives": collective_seconds(geometry, rates),
     }
     return TimeEstimate(sum(terms.values()), terms)
+
+
+def collective_seconds(geometry: Geometry, rates: DeviceRates) -> float:
+    """Seconds one rank spends in the vocab-parallel collectives of ``geometry``'s call (0 without TP)."""
+    plan, ranks = comm_plan(geometry), geometry.problem.tp_size
+    if not plan.collectives:
+        return 0.0
+    return plan.collectives * rates.collective_latency_s + 2 * (ranks - 1) / ranks * plan.bytes / rates.link_bytes_per_s
 
 
 def rate_coefficients(geometry: Geometry, *, accum_dtype: str | None = None) -> tuple[float, float]:
@@ -112,8 +137,13 @@ def rate_coefficients(geometry: Geometry, *, accum_dtype: str | None = None) -> 
     calibration fits exactly the model that predicts.
     """
     inf = float("inf")
-    flop = predict_seconds(geometry, DeviceRates(1.0, inf), accum_dtype=accum_dtype).seconds
-    byte = predict_seconds(geometry, DeviceRates(inf, 1.0), accum_dtype=accum_dtype).seconds
+    # the collectives are neither: they are left out (link_bytes_per_s infinite, no latency)
+    flop = predict_seconds(
+        geometry, DeviceRates(1.0, inf, link_bytes_per_s=inf, collective_latency_s=0.0), accum_dtype=accum_dtype
+    ).seconds
+    byte = predict_seconds(
+        geometry, DeviceRates(inf, 1.0, link_bytes_per_s=inf, collective_latency_s=0.0), accum_dtype=accum_dtype
+    ).seconds
     return flop, byte
 
 

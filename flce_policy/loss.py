@@ -17,6 +17,7 @@ from torch import nn
 from flce_policy.geometry import Geometry
 from flce_policy.options import LossOptions, Reduction
 from flce_policy.problem import Problem
+from flce_policy.vocab_parallel import GradInputMode, is_dtensor, prepare_vocab_parallel
 
 if TYPE_CHECKING:
     from flce_policy.oom import OOMFallback
@@ -60,6 +61,8 @@ def fused_linear_cross_entropy(
     accum_dtype: torch.dtype | None = None,
     use_token_scaling: bool = False,
     return_predicted_tokens: bool = False,
+    tp_group: Any = None,
+    tp_grad_input: GradInputMode = "full",
 ) -> torch.Tensor | FLCEOutput:
     """``cross_entropy(input @ weight.T + bias, target)`` without materialising the logits.
 
@@ -85,6 +88,16 @@ def fused_linear_cross_entropy(
         use_token_scaling: multiply each token's loss (cross-entropy and z-loss), and so its
             gradient, by the detached predicted probability of its target (TRL's ``dft`` loss).
         return_predicted_tokens: return each token's argmax class (-1 where ignored).
+        tp_group: a ``torch.distributed`` process group over which the head is split along the
+            vocabulary (vocab parallel): ``weight``, ``bias`` and ``class_weight`` are this rank's
+            contiguous shard (shards in group-rank order, sizes may differ), ``input`` and
+            ``target`` (global class ids) the same on every rank. Every rank gets the whole loss
+            (and extras); the weight and bias gradients are the shard's. A ``Shard(0)`` DTensor
+            weight on a 1-D mesh is vocab parallel over the mesh's group without it. Collective:
+            every rank of the group must call it alike. See :mod:`flce_policy.vocab_parallel`.
+        tp_grad_input: ``"full"`` (default) returns the input gradient summed over the group
+            (one all-reduce in backward); ``"partial"`` this rank's share, for a caller whose own
+            parallel region all-reduces it.
 
     Differences from ``F.cross_entropy``: the loss is float32 whatever the input dtype; ``mean``
     over zero non-ignored tokens (all ignored, or empty input) is 0 with zero gradients, not NaN.
@@ -102,22 +115,29 @@ def fused_linear_cross_entropy(
         return_predicted_tokens=return_predicted_tokens,
     )
     compute_dtype = autocast_dtype(input, weight, bias)
-    compiling = torch.compiler.is_compiling()
-    # Under torch.compile the target range is checked inside the custom op, at run time.
-    x, target_flat, class_weight = _check_tensors(
-        input, weight, target, bias, class_weight, options, compute_dtype, check_targets=not compiling
-    )
-    if compiling:
-        # One opaque node (flce_policy/custom_op.py): the geometry is resolved inside it at run time.
-        from flce_policy.custom_op import compiled_loss
-
-        loss, z_loss, accuracy, predicted = compiled_loss(
-            x, weight, bias, target_flat, class_weight, policy, options, compute_dtype
+    if tp_group is not None or is_dtensor(weight):
+        loss, z_loss, accuracy, predicted = _vocab_parallel_loss(
+            input, weight, target, bias, class_weight, options, policy, tp_group, tp_grad_input, compute_dtype
         )
     else:
-        loss, z_loss, accuracy, predicted = _eager_loss(
-            x, weight, bias, target_flat, class_weight, policy, options, compute_dtype
+        if tp_grad_input != "full":
+            raise ValueError("tp_grad_input applies to a vocab-parallel head only (tp_group or a DTensor weight)")
+        compiling = torch.compiler.is_compiling()
+        # Under torch.compile the target range is checked inside the custom op, at run time.
+        x, target_flat, class_weight = _check_tensors(
+            input, weight, target, bias, class_weight, options, compute_dtype, check_targets=not compiling
         )
+        if compiling:
+            # One opaque node (flce_policy/custom_op.py): the geometry is resolved inside it at run time.
+            from flce_policy.custom_op import compiled_loss
+
+            loss, z_loss, accuracy, predicted = compiled_loss(
+                x, weight, bias, target_flat, class_weight, policy, options, compute_dtype
+            )
+        else:
+            loss, z_loss, accuracy, predicted = _eager_loss(
+                x, weight, bias, target_flat, class_weight, policy, options, compute_dtype
+            )
     if reduction == "none":
         loss, z_loss = loss.view(target.shape), z_loss.view(target.shape)
     if not (return_z_loss or return_token_accuracy or return_predicted_tokens):
@@ -127,6 +147,39 @@ def fused_linear_cross_entropy(
         z_loss if return_z_loss else None,
         accuracy if return_token_accuracy else None,
         predicted.view(target.shape) if return_predicted_tokens else None,
+    )
+
+
+def _vocab_parallel_loss(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    options: LossOptions,
+    policy: Any,
+    group: Any,
+    grad_input: GradInputMode,
+    compute_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The vocab-parallel path (flce_policy/vocab_parallel.py), eager only."""
+    if torch.compiler.is_compiling():
+        raise NotImplementedError(
+            "a vocab-parallel head (tp_group or a DTensor weight) is not supported under torch.compile yet: "
+            "its per-chunk collectives run in the eager driver; wrap the loss call in torch.compiler.disable"
+        )
+    # An OOM retry on one rank alone would leave the others waiting in its collectives: no fallback.
+    x, weight, bias, target_flat, class_weight, geometry, options = prepare_vocab_parallel(
+        input, weight, target, bias, class_weight, options, policy=policy, group=group,
+        grad_input=grad_input, compute_dtype=compute_dtype,
+    )  # fmt: skip
+    if geometry is not None:
+        options = options.following(geometry)
+
+    from flce_policy.autograd import FLCEFunction
+
+    return FLCEFunction.apply(
+        x, weight, bias, target_flat, class_weight, geometry, options, torch.is_grad_enabled(), None, compute_dtype
     )
 
 
@@ -177,7 +230,8 @@ class FusedLinearCrossEntropyLoss(nn.Module):
         super().__init__()
         self.policy = policy
         self.options = options
-        LossOptions(**{k: v for k, v in options.items() if k != "class_weight"})  # fail early on bad options
+        # fail early on bad options (the tensor and group ones are checked at the call)
+        LossOptions(**{k: v for k, v in options.items() if k not in ("class_weight", "tp_group", "tp_grad_input")})
 
     def forward(
         self, input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None
@@ -189,16 +243,19 @@ class FusedLinearCrossEntropyLoss(nn.Module):
 
 
 def _geometry_for(
-    policy: Any, x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype
+    policy: Any, x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, *, tp_size: int = 1
 ) -> tuple[Geometry, OOMFallback | None]:
-    """The geometry to run, and how an OOM on its slab is answered (a policy's settings, else the default)."""
+    """The geometry to run, and how an OOM on its slab is answered (a policy's settings, else the default).
+
+    Under tensor parallelism ``weight`` is this rank's shard and ``tp_size`` the group's size.
+    """
     from flce_policy.oom import DEFAULT_OOM_FALLBACK
     from flce_policy.probe import device_for_tensor_device
     from flce_policy.strategies import ChunkStrategy
 
     if isinstance(policy, Geometry):
         return policy, DEFAULT_OOM_FALLBACK  # checked against the tensors by the driver
-    problem = Problem(tokens=x.shape[0], hidden=x.shape[1], vocab=weight.shape[0], dtype=dtype)
+    problem = Problem(tokens=x.shape[0], hidden=x.shape[1], vocab=weight.shape[0], dtype=dtype, tp_size=tp_size)
     device = device_for_tensor_device(x.device)
     if isinstance(policy, ChunkStrategy):
         from flce_policy.strategy_cache import strategy_geometry
@@ -235,7 +292,8 @@ def _check_tensors(
     """Validate shapes, dtypes, devices and target range; return flattened input/target and fp32 weights.
 
     ``compute_dtype`` (autocast) lets input, weight and bias differ in dtype: all are cast to it.
-    ``check_targets=False`` leaves the range check (a host sync) to the custom op under compile.
+    ``check_targets=False`` leaves the range check (a host sync) to the caller: the custom op under
+    compile, or the vocab-parallel path (a shard's V is not the targets').
     """
     for name, tensor in (("input", input), ("weight", weight), ("target", target)):
         if not isinstance(tensor, torch.Tensor):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -32,6 +32,9 @@ class LossOptions:
     accum_dtype: torch.dtype | None = None
     use_token_scaling: bool = False
     return_predicted_tokens: bool = False
+    #: Set by the loss for a vocab-parallel head (``tp_group``, or a ``Shard(0)`` DTensor weight):
+    #: this rank's :class:`flce_policy.kernels.vocab_shard.VocabShard`. Not a caller's option.
+    vocab_shard: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 import yaml
 
+from flce_policy.collectives import comm_plan
 from flce_policy.config import CONFIG_VERSION, ConfigError, load_yaml_file, load_yaml_text, parse_config
 from flce_policy.cost_model import predict_seconds
 from flce_policy.device import DeviceInfo
@@ -304,6 +305,11 @@ class FLCEPolicy:
         # Low-precision roundings of the running grad_weight: one per row chunk, or one cast of an
         # fp32 accumulator.
         weight_grad_steps = 1 if geometry.accumulator_dtype(None, master_dtype) == "float32" else geometry.num_chunks
+        tp = {}
+        if problem.tp_size > 1:
+            plan = comm_plan(geometry)
+            ms = round(predicted.terms["tp_collectives"] * 1e3, 3)
+            tp = {"tp_collectives": {"count": plan.collectives, "bytes": plan.bytes, "predicted_ms": ms}}
         return {
             "device": {**device.model_dump(mode="json"), "description": device.describe()},
             "problem": problem.model_dump(mode="json"),
@@ -329,6 +335,7 @@ class FLCEPolicy:
             "dynamic": strategy.dynamic,
             "oom_fallback": self.oom_fallback,
             "min_chunk_size": self.min_chunk_size,
+            **tp,
         }
 
     def explain(self, problem: Problem, device: DeviceInfo | None = None, *, master_dtype: str | None = None) -> str:
@@ -366,6 +373,11 @@ class FLCEPolicy:
             ("Slab", f"{d['slab']} per chunk = {d['chunk_size']} x {d['vocab_chunk']} x {problem.itemsize} bytes"),
             ("Peak", f"{d['predicted_peak']}, predicted for fwd+bwd with x and W needing grad{accum}"),
             ("Time", f"{d['predicted_ms']:.1f} ms predicted for fwd+bwd (cost model at {rates_text})"),
+            *(
+                [("Collectives", _collectives_note(d["tp_collectives"], problem.tp_size))]
+                if problem.tp_size > 1
+                else []
+            ),
             ("W grad", _accumulation_note(d["weight_grad_low_precision_steps"])),
             ("On OOM", oom),
         ]
@@ -393,6 +405,13 @@ class FLCEPolicy:
 
 #: More bf16 roundings of the running grad_weight than this are worth a warning in explain.
 _MANY_ACCUMULATION_STEPS = 8
+
+
+def _collectives_note(tp: dict[str, Any], tp_size: int) -> str:
+    return (
+        f"{tp['count']} per call over the TP group of {tp_size}, {format_bytes(tp['bytes'])} per rank "
+        f"([chunk] vectors, grad_input once), {tp['predicted_ms']:.2f} ms of the time (assumed link rates)"
+    )
 
 
 def _accumulation_note(steps: int) -> str:

@@ -1,15 +1,20 @@
-"""The shape of one fused linear cross-entropy call: BT token rows, hidden size H, vocab V."""
+"""The shape of one fused linear cross-entropy call: BT token rows, hidden size H, vocab V.
+
+Under tensor parallelism (a vocab-parallel LM head) a Problem is one rank's: ``vocab`` is the
+rank's shard of the vocabulary and ``tp_size`` the size of the group, so every strategy sizes the
+slab of the shard it runs (:func:`vocab_shard_sizes` gives the split ``ColwiseParallel`` makes).
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, field_validator, model_serializer
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Problem", "DTYPE_ITEMSIZE", "LogitsDType", "normalise_dtype"]
+__all__ = ["Problem", "DTYPE_ITEMSIZE", "LogitsDType", "normalise_dtype", "vocab_shard_sizes"]
 
 LogitsDType = Literal["bfloat16", "float16", "float32"]
 
@@ -22,15 +27,18 @@ _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp3
 class Problem(BaseModel):
     """An FLCE problem: ``cross_entropy(x @ W.T, y)`` with x ``[tokens, hidden]`` and W ``[vocab, hidden]``.
 
-    ``dtype`` is the dtype the logits are computed in (the input dtype).
+    ``dtype`` is the dtype the logits are computed in (the input dtype). With ``tp_size > 1``
+    the head is sharded over the vocabulary across a tensor-parallel group and ``vocab`` is this
+    rank's shard (rows of its weight), not the whole vocabulary.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     tokens: int = Field(ge=1, description="BT, the number of token rows (leading dims flattened)")
     hidden: int = Field(ge=1, description="H, the hidden size")
-    vocab: int = Field(ge=1, description="V, the vocabulary size (rows of the LM head)")
+    vocab: int = Field(ge=1, description="V, the vocabulary size (rows of the LM head; this rank's shard under TP)")
     dtype: LogitsDType = "bfloat16"
+    tp_size: int = Field(default=1, ge=1, description="ranks of the tensor-parallel group the vocabulary is split over")
 
     def __init__(self, tokens: int, hidden: int, vocab: int, dtype: Any = "bfloat16", **kw: Any) -> None:
         super().__init__(tokens=tokens, hidden=hidden, vocab=vocab, dtype=dtype, **kw)
@@ -39,6 +47,14 @@ class Problem(BaseModel):
     @classmethod
     def _normalise_dtype(cls, value: Any) -> Any:
         return normalise_dtype(value)
+
+    @model_serializer(mode="wrap")
+    def _omit_default_tp(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # An unsharded problem dumps as it always did (explain --json, benchmark records).
+        data = handler(self)
+        if data.get("tp_size") == 1:
+            del data["tp_size"]
+        return data
 
     @property
     def itemsize(self) -> int:
@@ -59,7 +75,17 @@ class Problem(BaseModel):
         return cls(tokens=tokens, hidden=weight.shape[1], vocab=weight.shape[0], dtype=input.dtype)
 
     def describe(self) -> str:
-        return f"BT={self.tokens} H={self.hidden} V={self.vocab} {self.dtype}"
+        shard = f" (vocab shard of a TP group of {self.tp_size})" if self.tp_size > 1 else ""
+        return f"BT={self.tokens} H={self.hidden} V={self.vocab}{shard} {self.dtype}"
+
+
+def vocab_shard_sizes(vocab: int, tp_size: int) -> list[int]:
+    """Rows of each rank's shard when ``vocab`` is split over ``tp_size`` ranks as a ``Shard(0)`` DTensor
+    (``torch.chunk``: ``cdiv(vocab, tp_size)`` rows each, the last ones shorter or empty)."""
+    if vocab < 1 or tp_size < 1:
+        raise ValueError(f"vocab and tp_size must be positive, got vocab={vocab}, tp_size={tp_size}")
+    step = -(-vocab // tp_size)
+    return [max(0, min(step, vocab - rank * step)) for rank in range(tp_size)]
 
 
 def normalise_dtype(value: Any) -> Any:

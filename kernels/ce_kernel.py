@@ -27,11 +27,14 @@ Per row, matching ``torch.nn.functional.cross_entropy``::
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+if TYPE_CHECKING:
+    from .vocab_shard import VocabShard
 
 __all__ = ["KERNELS_INTERPRETED", "CEWorkspace", "ce_finish", "ce_partial", "ce_rows", "ce_workspace"]
 
@@ -428,6 +431,7 @@ def ce_rows(
     token_scaling: bool = False,
     grad_scale: torch.Tensor | None = None,
     scale_per_row: bool = False,
+    shard: VocabShard | None = None,
 ) -> None:
     """Per-row loss of ``logits [n, V]`` (fp32 into ``loss_rows [n]``); gradient in place when ``grad_scale``.
 
@@ -436,18 +440,25 @@ def ce_rows(
     keeps the mean's denominator off the host. ``z_loss_rows`` receives ``z_loss_scale * lse**2``,
     ``argmax_rows`` (int64) each row's argmax class (-1 where ignored). ``token_scaling`` multiplies
     each row's loss and gradient by its detached ``p_target``. Nothing is checked here: the driver
-    calls it once per chunk.
+    calls it once per chunk. With a ``shard`` (tensor parallel) ``logits`` are this rank's columns
+    of the vocabulary: the rows' partials are merged over the group between the two passes, and
+    ``class_weight`` is the whole vocabulary's.
     """
     shared = dict(
         ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap, class_weight=class_weight
     )
-    ce_partial(logits, target, workspace, track_argmax=argmax_rows is not None, **shared)
+    col_offset = 0 if shard is None else shard.start
+    track_argmax = argmax_rows is not None
+    ce_partial(logits, target, workspace, col_offset=col_offset, track_argmax=track_argmax, **shared)
+    if shard is not None:
+        shard.merge(workspace, target, ignore_index, track_argmax)
     ce_finish(
         logits,
         target,
         loss_rows,
         workspace,
-        vocab=logits.shape[1],
+        vocab=logits.shape[1] if shard is None else shard.vocab,
+        col_offset=col_offset,
         z_loss_scale=z_loss_scale,
         z_loss_rows=z_loss_rows,
         argmax_rows=argmax_rows,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -19,6 +19,9 @@ from flce_policy.geometry import Geometry
 from .ce_kernel import ce_rows, ce_workspace
 from .gemm import accumulate_mm
 from .vocab_tiled import run_vocab_tiled
+
+if TYPE_CHECKING:
+    from .vocab_shard import VocabShard
 
 __all__ = [
     "CEParams",
@@ -42,6 +45,8 @@ class CEParams:
     z_loss_scale: float = 0.0
     track_argmax: bool = False
     token_scaling: bool = False  # each row's loss and gradient times its detached p_target
+    #: This rank's slice of a vocab-parallel head; the rows' partials are merged over its group per chunk.
+    shard: VocabShard | None = None
 
 
 @dataclass(frozen=True)
@@ -239,6 +244,7 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
             token_scaling=params.token_scaling,
             grad_scale=None if not grads.any else grad_scale[start:stop] if scale_per_row else grad_scale,
             scale_per_row=scale_per_row,
+            shard=params.shard,
         )
         if grad_input is not None:
             torch.mm(logits, weight, out=grad_input[start:stop])

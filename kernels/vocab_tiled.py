@@ -59,6 +59,9 @@ class _TiledRun:
         x, geometry, params, class_weight = call.x, call.geometry, call.params, call.class_weight
         self.weight, self.bias, self.outputs, self.params = call.weight, call.bias, outputs, call.params
         vocab, width = geometry.problem.vocab, geometry.vocab_chunk
+        # A vocab-parallel shard's tiles are columns of the global vocabulary, from its first class on.
+        self.shard = params.shard
+        self.col_base = 0 if self.shard is None else self.shard.start
         self.tiles = [(start, min(start + width, vocab)) for start in range(0, vocab, width)]
         self.slab = torch.empty(geometry.chunk_size * width, dtype=x.dtype, device=x.device)
         self.slab_bytes = self.slab.numel() * self.slab.element_size()
@@ -91,22 +94,25 @@ class _TiledRun:
         return tile
 
     def partial_pass(self, x_chunk: torch.Tensor, target_chunk: torch.Tensor) -> None:
-        """Pass 1: every tile's logits folded into the rows' log-sum-exp partials."""
+        """Pass 1: every tile's logits folded into the rows' log-sum-exp partials (then the group's, when sharded)."""
+        track_argmax = self.outputs.argmax_rows is not None
         for tile_index, (start, stop) in enumerate(self.tiles):
             ce_partial(
                 self.logits_tile(x_chunk, start, stop),
                 target_chunk,
                 self.workspace,
-                col_offset=start,
+                col_offset=self.col_base + start,
                 first_tile=tile_index == 0,
-                track_argmax=self.outputs.argmax_rows is not None,
+                track_argmax=track_argmax,
                 **self.shared,
             )
+        if self.shard is not None:
+            self.shard.merge(self.workspace, target_chunk, self.params.ignore_index, track_argmax)
 
     def finish_options(self, rows: slice, scale_per_row: bool) -> dict:
         z_loss_rows, argmax_rows = self.outputs.z_loss_rows, self.outputs.argmax_rows
         return dict(
-            vocab=self.weight.shape[0],
+            vocab=self.weight.shape[0] if self.shard is None else self.shard.vocab,
             z_loss_scale=self.params.z_loss_scale,
             z_loss_rows=None if z_loss_rows is None else z_loss_rows[rows],
             argmax_rows=None if argmax_rows is None else argmax_rows[rows],
@@ -118,7 +124,8 @@ class _TiledRun:
     def grad_tile(self, x_chunk, target_chunk, loss_rows, finish: dict, start: int, stop: int, *, write_loss: bool):
         """A tile's logits again, turned into dL/dlogits in place (and the rows' losses with ``write_loss``)."""
         tile = self.logits_tile(x_chunk, start, stop)
-        ce_finish(tile, target_chunk, loss_rows, self.workspace, col_offset=start, write_loss=write_loss, **finish)
+        col_offset = self.col_base + start
+        ce_finish(tile, target_chunk, loss_rows, self.workspace, col_offset=col_offset, write_loss=write_loss, **finish)
         return tile
 
     def grad_pass(self, x_chunk, target_chunk, rows: slice, finish: dict, *, first_chunk: bool) -> None:
