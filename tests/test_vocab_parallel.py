@@ -284,7 +284,44 @@ def _bad_input(rank, world):
     _expect_error(ValueError, "mesh", flce, x, sharded, y, tp_group=singleton)
 
 
+def _hf_colwise_head(rank, world):
+    """apply_flce on a tiny HF Llama whose lm_head is ColwiseParallel: HF's loss and gradients (head shard)."""
+    import copy
+
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from flce_policy.integrations.transformers import apply_flce
+
+    config = transformers.LlamaConfig(
+        vocab_size=V, hidden_size=H, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, max_position_embeddings=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(config).train()
+    model = copy.deepcopy(ref)
+    parallelize_module(model, init_device_mesh("cpu", (world,)), {"lm_head": ColwiseParallel()})
+    apply_flce(model, policy=CHUNKS)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (2, 7), generator=g)
+    labels = ids.clone()
+    labels[0, :2] = -100
+    got, expected = model(input_ids=ids, labels=labels), ref(input_ids=ids, labels=labels)
+    assert got.logits is None
+    assert_close(got.loss, expected.loss, FP32_TOL, "loss")
+    got.loss.backward()
+    expected.loss.backward()
+    named = dict(model.named_parameters())
+    for name, p in ref.named_parameters():
+        grad = named[name].grad
+        grad = grad.full_tensor() if isinstance(grad, DTensor) else grad
+        assert_close(grad, p.grad, FP32_TOL, f"grad {name}")
+
+
 CHECKS: dict[str, Callable[[int, int], None]] = {
+    "hf_colwise_head": _hf_colwise_head,
     **{
         f"{name}-{reduction}": _option_check(input_kw, options, reduction)
         for name, (input_kw, options) in OPTION_CASES.items()
