@@ -132,7 +132,7 @@ def run_shape(text: str) -> dict[str, Any]:
             record["forms"][name] = {"error": f"{type(err).__name__}: {err}"}
     from torch._dynamo.utils import counters
 
-    record["cudagraph_skips"] = dict(counters["inductor"]["cudagraph_skips"])
+    record["cudagraph_skips"] = int(counters["inductor"]["cudagraph_skips"])  # a count
     kernels, eager = record["kernel_ms"], record["forms"]["eager"]
     for name, form in record["forms"].items():
         if "error" in form:
