@@ -17,6 +17,7 @@ from torch import nn
 from flce_policy.geometry import Geometry
 from flce_policy.options import LossOptions, Reduction
 from flce_policy.problem import Problem
+from flce_policy.sharded import check_unsharded
 
 if TYPE_CHECKING:
     from flce_policy.oom import OOMFallback
@@ -89,6 +90,7 @@ def fused_linear_cross_entropy(
     Differences from ``F.cross_entropy``: the loss is float32 whatever the input dtype; ``mean``
     over zero non-ignored tokens (all ignored, or empty input) is 0 with zero gradients, not NaN.
     """
+    check_unsharded(input=input, weight=weight, bias=bias)  # a DTensor or ZeRO-3 shard: a clear error, not torch's
     options = LossOptions(
         ignore_index=ignore_index,
         reduction=reduction,
