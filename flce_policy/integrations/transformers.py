@@ -160,8 +160,13 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 def _output_embeddings(base: nn.Module) -> nn.Module:
     head = base.get_output_embeddings()
-    weight = getattr(head, "weight", None)
-    if head is None or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+    params = getattr(head, "_parameters", None)
+    # Looked at, not read: under ZeRO-3 reading head.weight in the model's forward gathers it for the
+    # whole forward (DeepSpeed's getter makes it an external parameter of the root); only the head's
+    # own call, under its own hooks, should gather it. A partitioned weight's shape is its ds_shape.
+    weight = dict.get(params, "weight") if isinstance(params, dict) else getattr(head, "weight", None)
+    shape = getattr(weight, "ds_shape", None) or getattr(weight, "shape", ())
+    if head is None or not isinstance(weight, torch.Tensor) or len(shape) != 2:
         raise TypeError(
             f"{type(base).__name__}.get_output_embeddings() returned {type(head).__name__}, not a linear LM head "
             "with a [V, H] weight: apply_flce cannot compute this model's loss"
