@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -96,6 +95,7 @@ def run_child(tokens: int, steps: int, out: Path) -> dict:
 
     from flce_policy import FLCEPolicy
     from flce_policy import autograd as flce_autograd
+    from flce_policy.benchmarks.sharded_heads import init_single_rank
     from flce_policy.integrations.transformers import apply_flce
     from flce_policy.memory import held_beside_slab
     from flce_policy.oom import OOMFallbackWarning
@@ -105,7 +105,7 @@ def run_child(tokens: int, steps: int, out: Path) -> dict:
 
     cuda = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    _init_single_rank(cuda)
+    init_single_rank(cuda)
     vocab, hidden, tokens = dims(cuda, tokens)
     problem = Problem(tokens=tokens, hidden=hidden, vocab=vocab, dtype="bfloat16")
     slab_2048 = min(2048, tokens) * vocab * 2
@@ -219,19 +219,6 @@ def run_child(tokens: int, steps: int, out: Path) -> dict:
                             "autocast_bf16_head": autocast_copy / GIB, "0.75_slab_2048": 0.75 * slab_2048 / GIB},
         "cases": records,
     }
-
-
-def _init_single_rank(cuda: bool) -> None:
-    import torch.distributed as dist
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                      LOCAL_WORLD_SIZE="1")
-    if cuda:
-        torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
 
 
 def verdict(result: dict, cuda: bool) -> list[tuple[bool, str]]:
