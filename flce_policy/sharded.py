@@ -20,9 +20,10 @@ __all__ = ["check_unsharded", "describe_sharded", "gathered_zero3", "is_zero3_pa
 
 _FIX = (
     "call the loss through the model's forward (flce_policy.integrations.transformers.apply_flce computes it "
-    "inside the lm_head module's own call, where FSDP2 and ZeRO-3 have gathered the weight), or gather it first "
-    "(FSDP2: module.unshard() / DTensor.full_tensor(); ZeRO-3: deepspeed.zero.GatheredParameters([weight])); "
-    "for a tensor-parallel (vocab-parallel) head, pass tp_group=..."
+    "inside the lm_head module's own call, where FSDP2 and ZeRO-3 have gathered the weight and route its "
+    "gradient), or gather it first (FSDP2: the FSDP module's unshard(), then reshard(); ZeRO-3: "
+    "deepspeed.zero.GatheredParameters([weight]) inside the engine's forward); for a tensor-parallel "
+    "(vocab-parallel) head, pass tp_group=..."
 )
 
 
