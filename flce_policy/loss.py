@@ -17,6 +17,7 @@ from torch import nn
 from flce_policy.geometry import Geometry
 from flce_policy.options import LossOptions, Reduction
 from flce_policy.problem import Problem
+from flce_policy.sharded import check_unsharded
 from flce_policy.vocab_parallel import GradInputMode, is_dtensor, prepare_vocab_parallel
 
 if TYPE_CHECKING:
@@ -92,9 +93,11 @@ def fused_linear_cross_entropy(
             vocabulary (vocab parallel): ``weight``, ``bias`` and ``class_weight`` are this rank's
             contiguous shard (shards in group-rank order, sizes may differ), ``input`` and
             ``target`` (global class ids) the same on every rank. Every rank gets the whole loss
-            (and extras); the weight and bias gradients are the shard's. A ``Shard(0)`` DTensor
-            weight on a 1-D mesh is vocab parallel over the mesh's group without it. Collective:
-            every rank of the group must call it alike. See :mod:`flce_policy.vocab_parallel`.
+            (and extras); the weight and bias gradients are the shard's. Collective: every rank of
+            the group must call it alike. See :mod:`flce_policy.vocab_parallel`.
+            Without ``tp_group``, a ``Shard(0)`` DTensor weight on a 1-D mesh (group from the mesh) is taken as vocab parallel only with
+            a DTensor ``input`` (as a ``ColwiseParallel`` module passes); with a plain input it is
+            refused as a shard (an FSDP2 parameter outside its forward, say), naming the fix.
         tp_grad_input: ``"full"`` (default) returns the input gradient summed over the group
             (one all-reduce in backward); ``"partial"`` this rank's share, for a caller whose own
             parallel region all-reduces it.
@@ -115,11 +118,15 @@ def fused_linear_cross_entropy(
         return_predicted_tokens=return_predicted_tokens,
     )
     compute_dtype = autocast_dtype(input, weight, bias)
-    if tp_group is not None or is_dtensor(weight):
+    # A Shard(0) DTensor weight is a tensor-parallel head when the input is a (replicated) DTensor
+    # too, as inside a ColwiseParallel module's call; with a plain input it is more likely an FSDP2
+    # shard handed over outside the forward that unshards it: check_unsharded says so.
+    if tp_group is not None or (is_dtensor(weight) and is_dtensor(input)):
         loss, z_loss, accuracy, predicted = _vocab_parallel_loss(
             input, weight, target, bias, class_weight, options, policy, tp_group, tp_grad_input, compute_dtype
         )
     else:
+        check_unsharded(input=input, weight=weight, bias=bias)  # a DTensor or ZeRO-3 shard: a clear error, not torch's
         if tp_grad_input != "full":
             raise ValueError("tp_grad_input applies to a vocab-parallel head only (tp_group or a DTensor weight)")
         compiling = torch.compiler.is_compiling()

@@ -14,7 +14,7 @@ from flce_policy.geometry import Geometry
 from flce_policy.problem import DTYPE_ITEMSIZE, Problem, normalise_dtype
 from flce_policy.units import format_bytes
 
-__all__ = ["MemoryEstimate", "predict_peak", "held_beside_slab"]
+__all__ = ["MemoryEstimate", "predict_peak", "held_beside_slab", "gathered_head_bytes"]
 
 _FP32 = DTYPE_ITEMSIZE["float32"]
 _INT64 = 8
@@ -113,3 +113,13 @@ def _held(problem: Problem, *, input_grad: bool, weight_grad: bool, bias: bool, 
         # per-row loss/z-loss/accuracy (fp32) and the int64 target view
         "rows": p.tokens * (3 * _FP32 + _INT64),
     }
+
+
+def gathered_head_bytes(problem: Problem) -> int:
+    """The whole ``[V, H]`` head in the logits dtype: what FSDP2 / ZeRO-3 hold gathered on a rank during the call.
+
+    Not part of :func:`predict_peak` (which counts the call's own allocations, the head's gradient
+    among them): a sharded head is gathered by the wrapper before the call and freed after it, so on
+    top of the predicted peak the rank holds this too (its gradient is the peak's ``grad_weight``).
+    """
+    return problem.vocab * problem.hidden * problem.itemsize

@@ -18,7 +18,7 @@ from flce_policy.config import CONFIG_VERSION, ConfigError, load_yaml_file, load
 from flce_policy.cost_model import predict_seconds
 from flce_policy.device import DeviceInfo
 from flce_policy.geometry import Geometry
-from flce_policy.memory import predict_peak
+from flce_policy.memory import gathered_head_bytes, predict_peak
 from flce_policy.oom import DEFAULT_MIN_CHUNK_SIZE, OOMFallback
 from flce_policy.problem import Problem
 from flce_policy.strategies import ChunkStrategy, HeuristicC
@@ -326,6 +326,7 @@ class FLCEPolicy:
             "slab": format_bytes(geometry.slab_bytes),
             "predicted_peak_bytes": peak.total_bytes,
             "predicted_peak": peak.describe(),
+            "gathered_head_bytes": gathered_head_bytes(problem),
             "predicted_ms": round(predicted.seconds * 1e3, 3),
             "accum_dtype": accum_dtype,
             "master_dtype": master_dtype,
@@ -372,6 +373,11 @@ class FLCEPolicy:
             ),
             ("Slab", f"{d['slab']} per chunk = {d['chunk_size']} x {d['vocab_chunk']} x {problem.itemsize} bytes"),
             ("Peak", f"{d['predicted_peak']}, predicted for fwd+bwd with x and W needing grad{accum}"),
+            (
+                "Sharded W",
+                f"under FSDP2 / ZeRO-3 the gathered head ({format_bytes(d['gathered_head_bytes'])}) is held beside "
+                f"that peak: {format_bytes(d['predicted_peak_bytes'] + d['gathered_head_bytes'])} on the rank",
+            ),
             ("Time", f"{d['predicted_ms']:.1f} ms predicted for fwd+bwd (cost model at {rates_text})"),
             *(
                 [("Collectives", _collectives_note(d["tp_collectives"], problem.tp_size))]

@@ -195,7 +195,7 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 def _dtensor_colwise(rank, world):
     """A head made tensor-parallel by parallelize_module(ColwiseParallel): Shard(0) DTensor weight and bias."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     inputs = make_inputs(BT, H, V, bias=True, n_ignored=3)
@@ -207,7 +207,11 @@ def _dtensor_colwise(rank, world):
     parallelize_module(head, mesh, ColwiseParallel())
     assert isinstance(head.weight, DTensor) and head.weight.placements == (Shard(0),)
     x = inputs["x"].clone().requires_grad_()
-    loss = fused_linear_cross_entropy(x, head.weight, inputs["y"], head.bias, policy=CHUNKS, label_smoothing=0.1)
+    # replicated, as ColwiseParallel hands its input to the head (a plain input would be refused as an FSDP2 shard)
+    x_replicated = DTensor.from_local(x, mesh, [Replicate()])
+    loss = fused_linear_cross_entropy(
+        x_replicated, head.weight, inputs["y"], head.bias, policy=CHUNKS, label_smoothing=0.1
+    )
     loss.backward()
     xr, wr, br = (inputs[k].double().requires_grad_() for k in ("x", "w", "b"))
     ref = reference(xr, wr, inputs["y"], br, label_smoothing=0.1)[0]

@@ -5,8 +5,10 @@ output embeddings) is asked, for that one call, to compute the loss of the hidde
 given instead of their logits, and to return empty logits; everything the family's forward does
 around it (the body, ``logits_to_keep``, MoE router losses, its output class) runs unchanged.
 The loss is computed inside the head module's own call, so the hooks that FSDP2 or DeepSpeed
-attach to that module have gathered its weight. Without labels, or in ``eval()`` mode, the
-original forward runs and returns the logits.
+attach to that module have gathered its weight; the empty logits depend on the loss and the loss
+returned depends on them, so the module's backward hooks (FSDP2's unshard, ZeRO-3's re-gather
+before the weight's gradient is accumulated) fire as they do for any layer. Without labels, or in
+``eval()`` mode, the original forward runs and returns the logits.
 
 :func:`causal_lm_loss` is the loss alone: HF's ``ForCausalLMLoss`` on hidden states.
 """
@@ -24,6 +26,7 @@ from torch import nn
 from flce_policy.integrations.hf_families import LogitTransform, logit_transform
 from flce_policy.loss import FLCEOutput, fused_linear_cross_entropy
 from flce_policy.options import LossOptions
+from flce_policy.sharded import gathered_zero3
 
 __all__ = ["apply_flce", "causal_lm_loss", "remove_flce", "FLCE_OUTPUT_FIELDS"]
 
@@ -31,6 +34,8 @@ __all__ = ["apply_flce", "causal_lm_loss", "remove_flce", "FLCE_OUTPUT_FIELDS"]
 FLCE_OUTPUT_FIELDS = ("z_loss", "token_accuracy", "predicted_tokens")
 #: Loss options the causal-LM loss decides itself (HF's semantics): not accepted as options.
 _FIXED_OPTIONS = ("reduction", "ignore_index")
+#: Training wrappers whose ``.module`` is the model (DeepSpeed's engine, DDP): apply_flce patches the model.
+_WRAPPERS = ("DeepSpeedEngine", "DistributedDataParallel")
 
 
 def causal_lm_loss(
@@ -148,6 +153,8 @@ def remove_flce(model: nn.Module) -> nn.Module:
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
+    while type(model).__name__ in _WRAPPERS and isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
     # PEFT's PeftModel forwards to its base model's forward; patching the base covers both.
     get_base = getattr(model, "get_base_model", None)
     base = get_base() if callable(get_base) and type(model).__name__.startswith("Peft") else model
@@ -161,8 +168,13 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 def _output_embeddings(base: nn.Module) -> nn.Module:
     head = base.get_output_embeddings()
-    weight = getattr(head, "weight", None)
-    if head is None or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+    params = getattr(head, "_parameters", None)
+    # Looked at, not read: under ZeRO-3 reading head.weight in the model's forward gathers it for the
+    # whole forward (DeepSpeed's getter makes it an external parameter of the root); only the head's
+    # own call, under its own hooks, should gather it. A partitioned weight's shape is its ds_shape.
+    weight = dict.get(params, "weight") if isinstance(params, dict) else getattr(head, "weight", None)
+    shape = getattr(weight, "ds_shape", None) or getattr(weight, "shape", ())
+    if head is None or not isinstance(weight, torch.Tensor) or len(shape) != 2:
         raise TypeError(
             f"{type(base).__name__}.get_output_embeddings() returned {type(head).__name__}, not a linear LM head "
             "with a [V, H] weight: apply_flce cannot compute this model's loss"
@@ -213,29 +225,65 @@ def _intercept_head(base: nn.Module, patch: _Patch) -> None:
             raise RuntimeError(
                 f"{type(base).__name__}.forward called its lm_head twice in one step; apply_flce supports one call"
             )
-        call["result"] = causal_lm_loss(
-            hidden_states,
-            head.weight,
-            call["labels"],
-            getattr(head, "bias", None),
-            shift_labels=call["shift_labels"],
-            num_items_in_batch=call["num_items_in_batch"],
-            softcap=patch.transform.softcap,
-            logit_scale=patch.transform.scale,
-            policy=patch.policy,
-            **patch.options,
-        )
+        weight, bias = head.weight, getattr(head, "bias", None)
+        with gathered_zero3(weight, bias) as gathered:
+            if gathered and weight.requires_grad and torch.is_grad_enabled():
+                raise RuntimeError(_UNHOOKED_ZERO3)
+            call["result"] = causal_lm_loss(
+                hidden_states,
+                weight,
+                call["labels"],
+                bias,
+                shift_labels=call["shift_labels"],
+                num_items_in_batch=call["num_items_in_batch"],
+                softcap=patch.transform.softcap,
+                logit_scale=patch.transform.scale,
+                policy=patch.policy,
+                **patch.options,
+            )
+        result = call["result"]
+        loss = result.loss if isinstance(result, FLCEOutput) else result
         # Empty logits: whatever the family does to them next (softcap, slicing) costs nothing.
-        return hidden_states.new_empty((*hidden_states.shape[:-1], 0))
+        return _EmptyLogits.apply(loss, hidden_states)
+
+    head.forward = head_forward
 
     head.forward = head_forward
     head._flce_head = patch
     head._flce_original_forward = original
 
 
+_UNHOOKED_ZERO3 = (
+    "lm_head.weight is a ZeRO-3 partitioned parameter that DeepSpeed's hooks did not gather for the head's "
+    "forward, so its gradient could not be accumulated into it; train the model as deepspeed.initialize (or "
+    "the HF Trainer / accelerate) returned it, whose hooks gather the head for its forward and backward"
+)
+
+
+class _EmptyLogits(torch.autograd.Function):
+    """``[..., 0]`` logits that depend on the loss, so that the loss returned can depend on them.
+
+    Module backward hooks are attached to a module's outputs (FSDP2 unshards there, ZeRO-3
+    re-gathers the weight before its gradient is accumulated); the loss flows through this output
+    (:func:`_with_loss` adds its empty sum) so that they fire before the loss's own backward.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.loss_dtype = loss.dtype
+        return hidden_states.new_empty((*hidden_states.shape[:-1], 0))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return torch.zeros((), dtype=ctx.loss_dtype, device=grad.device), None
+
+
 def _with_loss(base: nn.Module, out: Any, result: torch.Tensor | FLCEOutput) -> Any:
     """HF's output of the call, with the fused loss (plus HF's MoE router loss) and no logits."""
     loss = result.loss if isinstance(result, FLCEOutput) else result
+    logits = out[0] if isinstance(out, tuple) else out.get("logits")
+    if isinstance(logits, torch.Tensor) and logits.numel() == 0 and logits.requires_grad:
+        loss = loss + logits.sum()  # exactly 0: routes the backward through the head's output (_EmptyLogits)
     if isinstance(out, tuple):  # return_dict=False: HF's tuple with the loss first and no logits
         return (loss, *out[1:])
     aux_loss = getattr(out, "aux_loss", None)
