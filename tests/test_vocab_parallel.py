@@ -282,7 +282,11 @@ def _bad_input(rank, world):
 
     mesh = init_device_mesh("cpu", (world,))
     replicated = distribute_tensor(inputs["w"], mesh, [Replicate()])
-    _expect_error(ValueError, "sharded on dim 0", fused_linear_cross_entropy, x, replicated, y)
+    # with a plain input a DTensor weight is refused as a shard (FSDP2's, say), naming its placement
+    _expect_error(TypeError, "placements (Replicate(),)", fused_linear_cross_entropy, x, replicated, y)
+    # with a replicated DTensor input it is taken as tensor parallel, and must be sharded on dim 0
+    x_replicated = distribute_tensor(x.detach(), mesh, [Replicate()])
+    _expect_error(ValueError, "sharded on dim 0", fused_linear_cross_entropy, x_replicated, replicated, y)
     singleton = [dist.new_group([r]) for r in range(world)][rank]
     sharded = distribute_tensor(inputs["w"], mesh, [Shard(0)])
     _expect_error(ValueError, "mesh", flce, x, sharded, y, tp_group=singleton)
