@@ -63,12 +63,21 @@ class HeadOnly(torch.nn.Module):
 
 
 class Saturate:
-    """Holds a filler while ``lm_head`` runs, leaving ``leave`` bytes available to the loss call."""
+    """Holds a filler while ``lm_head`` runs, leaving ``leave`` bytes available to the loss call.
+
+    Unsaturated, it measures what the head's call needs (peak allocation from its pre-forward hook,
+    which runs before ZeRO-3's gather, to its forward hook); saturated or not, it times the call
+    between the hooks (CUDA events), so the filler's own allocation is not in the time.
+    """
 
     def __init__(self, head: torch.nn.Module) -> None:
         self.leave: int | None = None
         self.filler: torch.Tensor | None = None
         self.left_at_call: int | None = None
+        self.need: int | None = None
+        self.head_ms: list[float] = []
+        self._start_alloc = 0
+        self._events: tuple | None = None
         head.register_forward_pre_hook(self._fill)
         head.register_forward_hook(self._free)
 
@@ -79,14 +88,23 @@ class Saturate:
         device = device_for_tensor_device(torch.device("cuda", torch.cuda.current_device()))
         if self.leave is None:
             self.left_at_call = available_bytes(device)
-            return
-        torch.cuda.empty_cache()  # the filler takes device memory, the cache holds no fragments
-        excess = available_bytes(device) - self.leave
-        if excess > 0:
-            self.filler = torch.empty(excess, dtype=torch.uint8, device="cuda")
-        self.left_at_call = available_bytes(device)
+        else:
+            torch.cuda.empty_cache()  # the filler takes device memory, the cache holds no fragments
+            excess = available_bytes(device) - self.leave
+            if excess > 0:
+                self.filler = torch.empty(excess, dtype=torch.uint8, device="cuda")
+            self.left_at_call = available_bytes(device)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        self._start_alloc = torch.cuda.memory_allocated()
+        self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        self._events[0].record()
 
     def _free(self, *_: object) -> None:
+        self._events[1].record()
+        self._events[1].synchronize()
+        self.head_ms.append(self._events[0].elapsed_time(self._events[1]))
+        self.need = torch.cuda.max_memory_allocated() - self._start_alloc
         self.filler = None
 
 
@@ -110,7 +128,14 @@ def run_child(tokens: int, steps: int, out: Path) -> dict:
     problem = Problem(tokens=tokens, hidden=hidden, vocab=vocab, dtype="bfloat16")
     slab_2048 = min(2048, tokens) * vocab * 2
     autocast_copy = vocab * hidden * 2  # the bf16 copy of the fp32 head the call makes under autocast
-    leave = held_beside_slab(problem, accum_dtype="float32") + autocast_copy + int(0.75 * slab_2048)
+    # The filler is taken in a pre-forward hook registered before DeepSpeed's, so ZeRO-3's gather
+    # of the fp32 head comes out of what is left too (run 1 on the H200 left it out: every case
+    # then failed on the 5.25 GiB fp32 gradient, whatever the chunk).
+    gathered_head = vocab * hidden * 4
+    leave = held_beside_slab(problem, accum_dtype="float32") + autocast_copy + gathered_head + int(0.75 * slab_2048)
+    # Run 2 on the H200 showed that model generous (every chunk fitted): on a GPU the leave is set
+    # from the measured need of the unconstrained 2048-row call instead, a quarter slab short of it.
+    measured: dict[str, int] = {}
 
     torch.manual_seed(0)
     with device:  # initialised where it lives: no 5.6 GB trip through the host
@@ -148,7 +173,8 @@ def run_child(tokens: int, steps: int, out: Path) -> dict:
     def case(name: str, policy, saturated: bool) -> dict:
         apply_flce(engine, policy=policy)
         if saturate is not None:
-            saturate.leave = leave if saturated else None
+            saturate.leave = measured.get("leave", leave) if saturated else None
+            saturate.head_ms.clear()
         ran.clear()
         record: dict = {"case": name, "saturated": saturated}
         times, loss = [], None
@@ -178,6 +204,11 @@ def run_child(tokens: int, steps: int, out: Path) -> dict:
         record["oom_fallback_warnings"] = [str(w.message)[:300] for w in fallbacks]
         if saturate is not None:
             record["memory_left_at_call_GiB"] = saturate.left_at_call / GIB
+            if saturate.need is not None:
+                record["head_call_need_GiB"] = saturate.need / GIB
+            timed_head = saturate.head_ms[1:] or saturate.head_ms
+            if timed_head and record["outcome"] == "completed":
+                record["head_call_ms"] = sum(timed_head) / len(timed_head)
         if ran:
             geo = ran[-1]
             record["geometry"] = {"chunk_size": geo.chunk_size, "num_chunks": geo.num_chunks,
@@ -206,17 +237,25 @@ def run_child(tokens: int, steps: int, out: Path) -> dict:
         plan = [entry for entry in plan if entry[1] is not free_memory]
     records = []
     for name, policy, saturated in plan:
+        if saturated and saturate is not None and "leave" not in measured and "need_2048" in measured:
+            measured["leave"] = measured["need_2048"] - slab_2048 // 4
         try:
             records.append(case(name, policy, saturated))
+            if name == "fixed 2048 rows" and not saturated and saturate is not None and saturate.need:
+                measured["need_2048"] = saturate.need
         except Exception as e:
             records.append({"case": name, "saturated": saturated, "outcome": f"error: {type(e).__name__}: {e}",
                             "traceback": traceback.format_exc()})
     flce_autograd.run_with_oom_fallback = original_run
     return {
         "tokens": tokens, "vocab": vocab, "hidden": hidden, "device": repr(device_for_tensor_device(device)),
-        "leave_GiB": leave / GIB if cuda else None,
+        "leave_GiB": measured.get("leave", leave) / GIB if cuda else None,
+        "leave_from": "measured need of the unconstrained 2048-row call less a quarter slab"
+        if "leave" in measured else "memory model",
+        "need_2048_GiB": measured["need_2048"] / GIB if "need_2048" in measured else None,
         "leave_terms_GiB": {"held_beside_slab_fp32_accum": held_beside_slab(problem, accum_dtype="float32") / GIB,
-                            "autocast_bf16_head": autocast_copy / GIB, "0.75_slab_2048": 0.75 * slab_2048 / GIB},
+                            "autocast_bf16_head": autocast_copy / GIB, "gathered_fp32_head": gathered_head / GIB,
+                            "0.75_slab_2048": 0.75 * slab_2048 / GIB},
         "cases": records,
     }
 
@@ -234,6 +273,8 @@ def verdict(result: dict, cuda: bool) -> list[tuple[bool, str]]:
             detail += f", left at call {c['memory_left_at_call_GiB']:.2f} GiB"
         if "step_ms" in c:
             detail += f", {c['step_ms']:.1f} ms/step"
+        if "head_call_ms" in c:
+            detail += f" (head call {c['head_call_ms']:.1f} ms)"
         if c.get("loss") is not None and reference is not None:
             c["loss_rel_diff_vs_unconstrained"] = abs(c["loss"] - reference) / abs(reference)
             detail += f", loss rel diff {c['loss_rel_diff_vs_unconstrained']:.1e}"
@@ -279,7 +320,7 @@ def main() -> int:
         result = json.loads(path.read_text())
         print(f"tokens={tokens} V={result['vocab']} H={result['hidden']}: leave "
               f"{result['leave_GiB'] if result['leave_GiB'] is None else round(result['leave_GiB'], 3)} GiB "
-              f"{result['leave_terms_GiB']}", flush=True)
+              f"({result['leave_from']}; need of 2048 rows {result['need_2048_GiB']}) {result['leave_terms_GiB']}", flush=True)
         for ok, line in verdict(result, cuda):
             print(f"{'PASS' if ok else 'FAIL'} {line}", flush=True)
             failures += not ok
