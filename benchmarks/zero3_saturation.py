@@ -320,7 +320,8 @@ def main() -> int:
         result = json.loads(path.read_text())
         print(f"tokens={tokens} V={result['vocab']} H={result['hidden']}: leave "
               f"{result['leave_GiB'] if result['leave_GiB'] is None else round(result['leave_GiB'], 3)} GiB "
-              f"({result['leave_from']}; need of 2048 rows {result['need_2048_GiB']}) {result['leave_terms_GiB']}", flush=True)
+              f"({result['leave_from']}; need of 2048 rows {result['need_2048_GiB']}) "
+              f"{result['leave_terms_GiB']}", flush=True)
         for ok, line in verdict(result, cuda):
             print(f"{'PASS' if ok else 'FAIL'} {line}", flush=True)
             failures += not ok

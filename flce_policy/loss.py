@@ -95,9 +95,10 @@ def fused_linear_cross_entropy(
             ``target`` (global class ids) the same on every rank. Every rank gets the whole loss
             (and extras); the weight and bias gradients are the shard's. Collective: every rank of
             the group must call it alike. See :mod:`flce_policy.vocab_parallel`.
-            Without ``tp_group``, a ``Shard(0)`` DTensor weight on a 1-D mesh (group from the mesh) is taken as vocab parallel only with
-            a DTensor ``input`` (as a ``ColwiseParallel`` module passes); with a plain input it is
-            refused as a shard (an FSDP2 parameter outside its forward, say), naming the fix.
+            Without ``tp_group``, a ``Shard(0)`` DTensor weight on a 1-D mesh (group from the mesh)
+            is vocab parallel only with a DTensor ``input`` (as a ``ColwiseParallel`` module passes);
+            with a plain input it is refused as a shard (an FSDP2 parameter outside its forward,
+            say), naming the fix.
         tp_grad_input: ``"full"`` (default) returns the input gradient summed over the group
             (one all-reduce in backward); ``"partial"`` this rank's share, for a caller whose own
             parallel region all-reduces it.

@@ -54,9 +54,9 @@ def causal_lm_loss(
     """HF's ``ForCausalLMLoss(lm_head(hidden_states) * logit_scale, labels, ...)`` without the logits.
 
     ``labels [B, T]`` are padded with ``ignore_index`` and shifted by one, as HF does (position t
-    predicts label t+1); ``shift_labels``, when given, are used as they are instead (as HF does). With ``num_items_in_batch``
-    (the non-ignored tokens of the whole accumulated batch, as HF Trainer passes it) the summed loss
-    is divided by it, else the mean over this call's non-ignored tokens is taken. A tensor
+    predicts label t+1); ``shift_labels``, when given, are used as they are instead (as HF does).
+    With ``num_items_in_batch`` (the non-ignored tokens of the whole accumulated batch, as HF
+    Trainer passes it) the summed loss is divided by it, else the mean over this call's non-ignored tokens is taken. A tensor
     ``num_items_in_batch`` stays on the device (no host sync). ``logit_scale`` multiplies the
     logits (Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``), applied exactly by scaling
     the hidden states. Other keywords go to :func:`~flce_policy.fused_linear_cross_entropy`
@@ -124,9 +124,8 @@ def apply_flce(model: nn.Module, policy: Any = None, **loss_options: Any) -> nn.
     base = _unwrap(model)
     for name in _FIXED_OPTIONS + ("softcap", "bias", "class_weight"):
         if name in loss_options:
-            raise TypeError(
-                f"apply_flce takes no {name!r}: it follows the model ({'HF loss semantics' if name in _FIXED_OPTIONS else 'its config and lm_head'})"
-            )
+            source = "HF's loss semantics" if name in _FIXED_OPTIONS else "its config and lm_head"
+            raise TypeError(f"apply_flce takes no {name!r}: it follows the model ({source})")
     LossOptions(**loss_options)  # bad option names or values fail here, not at the first step
     transform = logit_transform(base.config)
     _output_embeddings(base)  # a model without an lm_head fails now
