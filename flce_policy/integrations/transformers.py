@@ -246,8 +246,6 @@ def _intercept_head(base: nn.Module, patch: _Patch) -> None:
         return _EmptyLogits.apply(loss, hidden_states)
 
     head.forward = head_forward
-
-    head.forward = head_forward
     head._flce_head = patch
     head._flce_original_forward = original
 
