@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU half of the project, in one script, for the H200 the device tool lends:
-#   bash benchmarks/run_gpu_suite.sh [tests] [bench] [compile] [quick METHODS SHAPES...]
-# (compile: the torch.compile GPU tests and benchmarks/compile_bench.py alone)
+#   bash benchmarks/run_gpu_suite.sh [tests] [bench] [compile] [hf] [sharded] [quick METHODS SHAPES...]
+# (compile: the torch.compile GPU tests and benchmarks/compile_bench.py alone; hf: the HF step
+# benchmark and the 50-step check; sharded: FSDP2 / ZeRO-3 on one GPU and the saturation scenario,
+# with DeepSpeed's wheels in .whl/ds/ — see docs/fsdp-zero3.md)
 # Expects wheels in .whl/ (ours, built with `python -m build --wheel -o .whl`, plus the peers
 # liger-kernel and cut-cross-entropy); installs them into /tmp/site and runs from outside the
 # checkout so the installed package (with its package-dir mapping) is what gets imported.
@@ -26,6 +28,17 @@ while [ $# -gt 0 ]; do
     compile)
       TRITON_INTERPRET=0 python3 -m pytest "$repo/tests/test_gpu_compile.py" -m gpu -s -q -p no:cacheprovider 2>&1 | tee "$out/gpu_compile_tests.log" || status=1
       python3 -m flce_policy.benchmarks.compile_bench "$out/compile_bench.json" 2>&1 | tee "$out/compile_bench.log" || status=1
+      shift ;;
+    hf)
+      python3 -m flce_policy.benchmarks.hf_train_check --out "$out" 2>&1 | tee "$out/hf_train_check.log" || status=1
+      python3 -m flce_policy.benchmarks.hf_step --out "$out" 2>&1 | tee "$out/hf_step.log" || status=1
+      shift ;;
+    sharded)
+      python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site --find-links "$repo/.whl/ds" \
+        deepspeed hjson einops py-cpuinfo msgpack || exit 1
+      TRITON_INTERPRET=0 python3 "$repo/benchmarks/sharded_heads.py" "$out/sharded" 2>&1 | tee "$out/sharded_heads.log" || status=1
+      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True TRITON_INTERPRET=0 python3 "$repo/benchmarks/zero3_saturation.py" \
+        "$out/z3s" 2>&1 | tee "$out/zero3_saturation.log" || status=1
       shift ;;
     quick)
       python3 -m flce_policy.benchmarks.quick "$2" "${@:3}" 2>&1 | tee "$out/quick.log" || status=1
