@@ -56,8 +56,8 @@ def causal_lm_loss(
     ``labels [B, T]`` are padded with ``ignore_index`` and shifted by one, as HF does (position t
     predicts label t+1); ``shift_labels``, when given, are used as they are instead (as HF does).
     With ``num_items_in_batch`` (the non-ignored tokens of the whole accumulated batch, as HF
-    Trainer passes it) the summed loss is divided by it, else the mean over this call's non-ignored tokens is taken. A tensor
-    ``num_items_in_batch`` stays on the device (no host sync). ``logit_scale`` multiplies the
+    Trainer passes it) the summed loss is divided by it, else the mean over this call's non-ignored
+    tokens is taken. A tensor ``num_items_in_batch`` stays on the device (no host sync). ``logit_scale`` multiplies the
     logits (Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``), applied exactly by scaling
     the hidden states. Other keywords go to :func:`~flce_policy.fused_linear_cross_entropy`
     (``softcap``, ``z_loss_scale``, ``use_token_scaling``, ``return_token_accuracy``, ...);
