@@ -17,8 +17,8 @@ from torch import nn
 from flce_policy.geometry import Geometry
 from flce_policy.options import LossOptions, Reduction
 from flce_policy.problem import Problem
-from flce_policy.sharded import check_unsharded
-from flce_policy.vocab_parallel import GradInputMode, is_dtensor, prepare_vocab_parallel
+from flce_policy.sharded import check_unsharded, is_dtensor
+from flce_policy.vocab_parallel import GradInputMode, prepare_vocab_parallel
 
 if TYPE_CHECKING:
     from flce_policy.oom import OOMFallback
@@ -181,14 +181,7 @@ def _vocab_parallel_loss(
         input, weight, target, bias, class_weight, options, policy=policy, group=group,
         grad_input=grad_input, compute_dtype=compute_dtype,
     )  # fmt: skip
-    if geometry is not None:
-        options = options.following(geometry)
-
-    from flce_policy.autograd import FLCEFunction
-
-    return FLCEFunction.apply(
-        x, weight, bias, target_flat, class_weight, geometry, options, torch.is_grad_enabled(), None, compute_dtype
-    )
+    return _apply(x, weight, bias, target_flat, class_weight, geometry, options, None, compute_dtype)
 
 
 def _eager_loss(
@@ -203,6 +196,21 @@ def _eager_loss(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The geometry resolved here, then the autograd Function: ``(loss, z_loss, accuracy, predicted)``."""
     geometry, fallback = _geometry_for(policy, x, weight, compute_dtype or x.dtype) if x.shape[0] else (None, None)
+    return _apply(x, weight, bias, target, class_weight, geometry, options, fallback, compute_dtype)
+
+
+def _apply(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    class_weight: torch.Tensor | None,
+    geometry: Geometry | None,
+    options: LossOptions,
+    fallback: OOMFallback | None,
+    compute_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The autograd Function on a resolved geometry, with the accumulator it planned."""
     if geometry is not None:
         options = options.following(geometry)
 

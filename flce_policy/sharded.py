@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_unsharded", "describe_sharded", "gathered_zero3", "is_zero3_partitioned"]
+__all__ = ["check_unsharded", "describe_sharded", "gathered_zero3", "is_dtensor", "is_zero3_partitioned"]
 
 _FIX = (
     "call the loss through the model's forward (flce_policy.integrations.transformers.apply_flce computes it "
@@ -36,17 +36,14 @@ def is_zero3_partitioned(tensor: Any) -> bool:
     return status != "AVAILABLE" or tensor.numel() == 0
 
 
-def _is_dtensor(tensor: Any) -> bool:
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
+def is_dtensor(tensor: Any) -> bool:
+    """True for a ``torch.distributed.tensor.DTensor`` (checked without importing the DTensor package)."""
+    return isinstance(tensor, torch.Tensor) and type(tensor).__name__ == "DTensor"
 
 
 def describe_sharded(tensor: Any) -> str | None:
     """What makes ``tensor`` a shard rather than the whole tensor (None for an ordinary tensor)."""
-    if _is_dtensor(tensor):
+    if is_dtensor(tensor):
         mesh = tensor.device_mesh
         return (
             f"a DTensor (placements {tuple(tensor.placements)}, mesh {tuple(mesh.mesh_dim_names or ())}"

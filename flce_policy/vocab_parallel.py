@@ -32,8 +32,9 @@ import torch.distributed as dist
 
 from flce_policy.geometry import Geometry
 from flce_policy.options import LossOptions
+from flce_policy.sharded import is_dtensor
 
-__all__ = ["GradInputMode", "VocabParallelCall", "is_dtensor", "prepare_vocab_parallel"]
+__all__ = ["GradInputMode", "VocabParallelCall", "prepare_vocab_parallel"]
 
 GradInputMode = Literal["full", "partial"]
 _GRAD_INPUT_MODES = ("full", "partial")
@@ -51,11 +52,6 @@ class VocabParallelCall(NamedTuple):
     class_weight: torch.Tensor | None
     geometry: Geometry | None
     options: LossOptions
-
-
-def is_dtensor(tensor: Any) -> bool:
-    """True for a ``torch.distributed.tensor.DTensor`` (checked without importing the DTensor package)."""
-    return isinstance(tensor, torch.Tensor) and type(tensor).__name__ == "DTensor"
 
 
 def prepare_vocab_parallel(
