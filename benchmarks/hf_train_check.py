@@ -7,7 +7,9 @@ initial weights: bf16 weights, and fp32 master weights under bf16 autocast. PASS
 step's loss is within 1% of HF's (relative). Both are also compared with HF's path on fp32 weights
 without autocast (TF32 off), the trajectory bf16 rounding departs from: a difference to HF that
 comes from HF's own bf16 roundings (Gemma's softcap is applied to bf16 logits there, in fp32 here)
-shows as flce being the closer of the two to it. Writes hf_train_check.json in DIR.
+shows as flce being the closer of the two to it. HF runs on the same batch with its sequences rotated
+(the same loss in exact arithmetic) measure how far HF's path drifts from itself under rounding
+alone: the floor for the per-step comparison. Writes hf_train_check.json in DIR.
 """
 
 from __future__ import annotations
@@ -99,6 +101,14 @@ def main(argv: list[str] | None = None) -> int:
         ):
             hf = train(tiny(model_type, dtype), ids, labels, args.steps, autocast)
             ours = train(apply_flce(tiny(model_type, dtype)), ids, labels, args.steps, autocast)
+            # HF's own path again with the batch's sequences rotated: the same loss in exact arithmetic,
+            # other rounding (reduction orders). How far HF drifts from itself is the floor below which a
+            # per-step difference says nothing about the loss being computed right.
+            hf_rotated = [
+                train(tiny(model_type, dtype), ids.roll(k, 0), labels.roll(k, 0), args.steps, autocast)
+                for k in range(1, ids.shape[0])
+            ]
+            floors = [_worst(r, hf) for r in hf_rotated]
             worst = _worst(ours, hf)
             passed = worst <= TOLERANCE
             softcap_diag = {}
@@ -121,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
                     weights=weights,
                     steps=args.steps,
                     worst_relative_diff=worst,
+                    hf_worst_vs_hf_rotated=floors,
+                    hf_rotated=hf_rotated,
                     hf_worst_vs_fp32=_worst(hf, fp32),
                     flce_worst_vs_fp32=_worst(ours, fp32),
                     hf=hf,
@@ -134,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{'PASS' if passed else 'FAIL'} {model_type} {weights}: {args.steps} AdamW steps, worst per-step "
                 f"loss diff to HF {worst:.2e} (limit {TOLERANCE}); loss {hf[0]:.4f} -> {hf[-1]:.4f} (HF) / "
                 f"{ours[0]:.4f} -> {ours[-1]:.4f} (flce); worst diff to the fp32 run: HF {_worst(hf, fp32):.2e}, "
-                f"flce {_worst(ours, fp32):.2e}",
+                f"flce {_worst(ours, fp32):.2e}; HF vs HF on the batch rotated by 1..{len(floors)} sequences: "
+                + ", ".join(f"{f:.2e}" for f in floors),
                 flush=True,
             )
     args.out.mkdir(parents=True, exist_ok=True)

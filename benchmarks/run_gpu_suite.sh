@@ -36,7 +36,7 @@ while [ $# -gt 0 ]; do
     sharded)
       python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site --find-links "$repo/.whl/ds" \
         deepspeed hjson einops py-cpuinfo msgpack || exit 1
-      TRITON_INTERPRET=0 python3 "$repo/benchmarks/sharded_heads.py" "$out/sharded" 2>&1 | tee "$out/sharded_heads.log" || status=1
+      TRITON_INTERPRET=0 python3 "$repo/benchmarks/sharded_heads.py" "$out/sharded" --noise-floor 2>&1 | tee "$out/sharded_heads.log" || status=1
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True TRITON_INTERPRET=0 python3 "$repo/benchmarks/zero3_saturation.py" \
         "$out/z3s" 2>&1 | tee "$out/zero3_saturation.log" || status=1
       shift ;;

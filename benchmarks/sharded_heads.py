@@ -164,15 +164,24 @@ def zero3_pair(model: torch.nn.Module, device: torch.device, tied: bool, bf16: b
     return ref, pat, step
 
 
-def run_pair(case: str, family: str, tied: bool, s: dict, device: torch.device, steps: int) -> dict:
+def run_pair(
+    case: str, family: str, tied: bool, s: dict, device: torch.device, steps: int, noise_floor: bool = False
+) -> dict:
+    """HF's loss and flce's under one wrapper, step by step. ``noise_floor``: a third run, HF's own on the
+    batch with its sequences reversed (the same loss in exact arithmetic), shows how far HF drifts from
+    itself under rounding alone."""
     model = make_model(family, tied, s)
     bf16 = device.type == "cuda" and case in ("fsdp2_bf16", "zero3")
     if case.startswith("fsdp2"):
-        ref, pat, step = fsdp2_pair(model, device, tied, bf16=case == "fsdp2_bf16")
+        make_pair = lambda: fsdp2_pair(model, device, tied, bf16=case == "fsdp2_bf16")  # noqa: E731
     else:
-        ref, pat, step = zero3_pair(model, device, tied, bf16, s["batch"])
+        make_pair = lambda: zero3_pair(model, device, tied, bf16, s["batch"])  # noqa: E731
+    ref, pat, step = make_pair()
+    # rotations of the batch's sequences: 1 .. batch-1 (at most 3)
+    rotated = [(k, *make_pair()[::2]) for k in range(1, min(s["batch"], 4))] if noise_floor else []
     ids, labels = make_batch(s, device)
     ref_losses, pat_losses, t_ref, t_pat = [], [], 0.0, 0.0
+    rotated_losses: list[list[float]] = [[] for _ in rotated]
     grad_err = None
     for i in range(steps):
         t0 = time.perf_counter()
@@ -180,6 +189,8 @@ def run_pair(case: str, family: str, tied: bool, s: dict, device: torch.device, 
         t1 = time.perf_counter()
         lp_, g_pat = step(i, pat, ids, labels)
         t2 = time.perf_counter()
+        for losses, (k, engine, engine_step) in zip(rotated_losses, rotated, strict=True):
+            losses.append(engine_step(i, engine, ids.roll(k, 0), labels.roll(k, 0))[0])
         if i:
             t_ref, t_pat = t_ref + t1 - t0, t_pat + t2 - t1
         ref_losses.append(lr_)
@@ -187,8 +198,10 @@ def run_pair(case: str, family: str, tied: bool, s: dict, device: torch.device, 
         if i == 0:
             grad_err = rel_grad(g_pat, g_ref)
     worst = max(rel(p, r) for p, r in zip(pat_losses, ref_losses, strict=True))
+    floors = [max(rel(q, r) for q, r in zip(losses, ref_losses, strict=True)) for losses in rotated_losses]
     return {
         "max_step_loss_rel_diff": worst,
+        "hf_vs_hf_rotated_max_rel_diff": floors or None,
         "lm_head_grad_rel_l2_step0": grad_err,
         "first_last_loss_hf": [ref_losses[0], ref_losses[-1]],
         "first_last_loss_flce": [pat_losses[0], pat_losses[-1]],
@@ -260,6 +273,7 @@ def main() -> int:
     parser.add_argument("--trainer-steps", type=int, default=5)
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--noise-floor", action="store_true", help="also run HF on the batch rotated")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
@@ -280,7 +294,7 @@ def main() -> int:
                     if case == "trainer_zero3":
                         result = run_trainer(family, tied, s, device, args.trainer_steps, args.out)
                     else:
-                        result = run_pair(case, family, tied, s, device, args.steps)
+                        result = run_pair(case, family, tied, s, device, args.steps, args.noise_floor)
                 except Exception as e:  # a case that cannot run is a FAIL with its traceback, not the end
                     result = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
                 result.update(case=name, seconds=time.perf_counter() - t0)
@@ -290,6 +304,9 @@ def main() -> int:
                     f"max step loss rel diff {result['max_step_loss_rel_diff']:.2e}"
                     + (f", lm_head grad rel L2 {result['lm_head_grad_rel_l2_step0']:.2e}"
                        if result.get("lm_head_grad_rel_l2_step0") is not None else "")
+                    + ("; HF vs HF on the batch rotated by 1, 2, ...: "
+                       + ", ".join(f"{f:.2e}" for f in result["hf_vs_hf_rotated_max_rel_diff"])
+                       if result.get("hf_vs_hf_rotated_max_rel_diff") else "")
                 )
                 print(f"{'PASS' if result['ok'] else 'FAIL'} {name}: {detail} ({result['seconds']:.1f}s)", flush=True)
                 (args.out / "sharded_heads.json").write_text(json.dumps(report, indent=1))
