@@ -7,18 +7,23 @@ fwd+bwd of the loss (x and W needing grad) in four forms, measured in one run:
 - ``compiled``: ``torch.compile(fullgraph=True)`` (inductor), the loss one custom-op node;
 - ``reduce_overhead``: ``mode="reduce-overhead"``: fwd and bwd replayed as CUDA graphs;
 - ``hf_eager`` / ``hf_compiled``: a two-layer Llama with ``apply_flce``, when transformers and
-  the integration are installed (shape's H and V, 4 heads of 2 layers; a training step).
+  the integration are installed (shape's H and V, 4 heads of 2 layers; a training step);
+- ``trivial_eager`` / ``trivial_compiled``: a one-element fwd+bwd on the same tensors, whose
+  difference is what ``torch.compile``'s own wrappers cost per call, whatever the function.
 
 Per form: ``wall_ms`` (CUDA events around one step after a synchronize: GPU time plus the launch
 latency the host adds), ``pipelined_ms`` (N back-to-back steps / N, the host free to run ahead:
-a host-bound step shows here) and ``host_ms`` (time to issue one step). ``kernel_ms`` is the sum
-of the CUDA kernels' own time per step (torch.profiler) of the eager loss; the ratios are each
-form's times over it and over eager. Prints a table and writes everything to OUT.json.
+a host-bound step shows here) and ``host_ms`` (time to issue one step), each the median of 5
+rounds in which every form is measured in turn (so drift in clocks or the host hits all forms
+alike). ``kernel_ms`` is the sum of the CUDA kernels' own time per step (torch.profiler) of the
+eager loss; the ratios are each form's times over it and over its eager counterpart. Prints a
+table and writes everything (every round's numbers too) to OUT.json.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -38,19 +43,62 @@ def kernel_ms(step: Step) -> float:
     return sum(kernel_times(step, repeats=5).values())
 
 
-def times_ms(step: Step, pipelined: int = 50) -> dict[str, float]:
-    """Median synchronised wall time and host issue time of one step, and the back-to-back mean."""
-    for _ in range(2):
-        step()
-    wall, host = wall_and_host_ms(step)
+ROUNDS = 5  # every form is measured once per round, the rounds interleaved: drift hits all alike
+
+
+def pipelined_ms(step: Step, steps: int) -> float:
+    """Mean time of ``steps`` steps issued back to back (the host free to run ahead), in ms."""
     torch.cuda.synchronize()
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(pipelined):
+    for _ in range(steps):
         step()
     stop.record()
     stop.synchronize()
-    return {"wall_ms": wall, "host_ms": host, "pipelined_ms": start.elapsed_time(stop) / pipelined}
+    return start.elapsed_time(stop) / steps
+
+
+def times_ms(forms: dict[str, Step], pipelined: int = 20) -> dict[str, dict[str, Any]]:
+    """Per form: median over ROUNDS interleaved rounds of the synchronised wall time of one step, the
+    host time to issue it, and the back-to-back mean; a form that fails is reported, not fatal."""
+    results: dict[str, dict[str, Any]] = {}
+    samples: dict[str, dict[str, list[float]]] = {}
+    for name, step in forms.items():
+        try:
+            for _ in range(2):
+                step()
+            samples[name] = {"wall_ms": [], "host_ms": [], "pipelined_ms": []}
+        except Exception as err:  # noqa: BLE001
+            results[name] = {"error": f"{type(err).__name__}: {err}"}
+    for _ in range(ROUNDS):
+        for name, got in samples.items():
+            wall, host = wall_and_host_ms(forms[name], repeats=5)
+            got["wall_ms"].append(wall)
+            got["host_ms"].append(host)
+            got["pipelined_ms"].append(pipelined_ms(forms[name], pipelined))
+    for name, got in samples.items():
+        results[name] = {key: statistics.median(values) for key, values in got.items()}
+        results[name]["rounds"] = got
+    return {name: results[name] for name in forms}
+
+
+def touch_steps(inputs: Inputs) -> dict[str, Step]:
+    """A trivial fwd+bwd on the same tensors, eager and compiled: what torch.compile itself costs per call."""
+    x = inputs.x.detach().requires_grad_()
+    w = inputs.weight.detach().requires_grad_()
+
+    def touch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x[:1].float().sum() + w[:1].float().sum()
+
+    def stepper(fn: Callable[..., torch.Tensor]) -> Step:
+        def step() -> None:
+            fn(x, w).backward()
+            x.grad = None
+            w.grad = None
+
+        return step
+
+    return {"trivial_eager": stepper(touch), "trivial_compiled": stepper(torch.compile(touch, fullgraph=True))}
 
 
 def loss_steps(inputs: Inputs) -> dict[str, Step]:
@@ -124,22 +172,20 @@ def run_shape(text: str) -> dict[str, Any]:
     tokens, hidden, vocab = parse_shape(text)
     inputs = make_inputs(tokens, hidden, vocab, logit_std=4.0)
     steps = loss_steps(inputs)
-    record: dict[str, Any] = {"shape": text, "kernel_ms": kernel_ms(steps["eager"]), "forms": {}}
-    for name, step in {**steps, **hf_steps(tokens, hidden, vocab)}.items():
-        try:
-            record["forms"][name] = times_ms(step)
-        except Exception as err:  # noqa: BLE001 - one failing form is reported, not fatal
-            record["forms"][name] = {"error": f"{type(err).__name__}: {err}"}
+    record: dict[str, Any] = {"shape": text, "kernel_ms": kernel_ms(steps["eager"])}
+    record["forms"] = times_ms({**steps, **hf_steps(tokens, hidden, vocab), **touch_steps(inputs)})
     from torch._dynamo.utils import counters
 
     record["cudagraph_skips"] = int(counters["inductor"]["cudagraph_skips"])  # a count
-    kernels, eager = record["kernel_ms"], record["forms"]["eager"]
+    kernels = record["kernel_ms"]
     for name, form in record["forms"].items():
         if "error" in form:
             continue
         form["wall_over_kernels"] = form["wall_ms"] / kernels
         form["pipelined_over_kernels"] = form["pipelined_ms"] / kernels
-        reference = record["forms"].get("hf_eager") if name.startswith("hf_") else eager
+        reference = record["forms"].get(
+            "hf_eager" if name.startswith("hf_") else "trivial_eager" if name.startswith("trivial_") else "eager"
+        )
         if reference and "error" not in reference:
             form["wall_over_eager"] = form["wall_ms"] / reference["wall_ms"]
             form["pipelined_over_eager"] = form["pipelined_ms"] / reference["pipelined_ms"]
@@ -159,6 +205,10 @@ def show(record: dict[str, Any]) -> None:
         keys = ("wall_ms", "pipelined_ms", "host_ms", "wall_over_kernels", "pipelined_over_kernels")
         values = [f[k] for k in keys] + [f.get("wall_over_eager", float("nan"))]
         print(f"  {name:<16}" + "".join(f"{v:11.3f}" for v in values))
+    touch = record["forms"]
+    if "error" not in touch["trivial_eager"] and "error" not in touch["trivial_compiled"]:
+        fixed = touch["trivial_compiled"]["host_ms"] - touch["trivial_eager"]["host_ms"]
+        print(f"  torch.compile's own host cost per fwd+bwd call (trivial function, compiled - eager): {fixed:.3f} ms")
     if record["cudagraph_skips"]:
         print(f"  cudagraph skips: {record['cudagraph_skips']}")
 

@@ -26,6 +26,7 @@ from flce_policy.kernels.resilient import run_with_oom_fallback
 from flce_policy.kernels.scale import scale_unless_one_
 from flce_policy.oom import DEFAULT_OOM_FALLBACK, OOMFallback
 from flce_policy.options import LossOptions
+from flce_policy.targets import TargetCheck
 
 __all__ = ["FLCEFunction", "ForwardResult", "forward_pass", "recompute_grads", "rescale"]
 
@@ -82,6 +83,7 @@ class FLCEFunction(torch.autograd.Function):
         grad_enabled: bool,
         fallback: OOMFallback | None = DEFAULT_OOM_FALLBACK,
         compute_dtype: torch.dtype | None = None,
+        target_check: TargetCheck | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         # needs_input_grad ignores torch.no_grad(): the caller's grad mode is passed in.
         want = GradRequest(
@@ -93,7 +95,7 @@ class FLCEFunction(torch.autograd.Function):
         )
         ctx.compute_dtype = compute_dtype
         with _autocast_off(x.device.type):
-            return _forward(ctx, x, weight, bias, target, class_weight, geometry, options, want, fallback)
+            return _forward(ctx, x, weight, bias, target, class_weight, geometry, options, want, fallback, target_check)
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
@@ -107,7 +109,7 @@ class FLCEFunction(torch.autograd.Function):
                 raise RuntimeError("fused_linear_cross_entropy: backward ran twice through the same call")
             grads = rescale(grads, grad_loss)
         grad_input, grad_weight, grad_bias = grads
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None, None
 
 
 def _autocast_off(device_type: str) -> Any:
@@ -139,11 +141,15 @@ def _forward(
     options: LossOptions,
     want: GradRequest,
     fallback: OOMFallback | None,
+    target_check: TargetCheck | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     if options.reduction == "none":
         # the caller's tensors: backward casts again rather than holding a copy between the passes
         ctx.save_for_backward(x, weight, bias, target, class_weight)
-    result = forward_pass(x, weight, bias, target, class_weight, geometry, options, want, fallback, ctx.compute_dtype)
+    result = forward_pass(
+        x, weight, bias, target, class_weight, geometry, options, want, fallback, ctx.compute_dtype,
+        target_check=target_check,
+    )  # fmt: skip
     ctx.mark_non_differentiable(*(t for t in (result.z_loss, result.accuracy, result.predicted) if t is not None))
     # The geometry that completed: reduction none's backward starts from it, not from the one asked for.
     ctx.options, ctx.geometry, ctx.want, ctx.fallback = options, result.geometry, want, fallback
@@ -166,9 +172,12 @@ def forward_pass(
     fallback: OOMFallback | None,
     compute_dtype: torch.dtype | None,
     poison: torch.Tensor | None = None,
+    target_check: TargetCheck | None = None,
 ) -> ForwardResult:
     """The loss (and for mean/sum the gradients) of one call, on the caller's tensors.
 
+    ``target_check`` (started by the caller, ``target`` being its safe targets) is finished once
+    the chunks are queued: a bad target raises ValueError then, with no GPU idle time before it.
     ``poison`` (a 0-dim fp32 tensor, 0 or NaN) is added to the loss and to the gradient scale:
     the custom op's device-side answer to out-of-range targets where no host sync is allowed.
     """
@@ -200,6 +209,8 @@ def forward_pass(
             class_weight=class_weight,
             grad_scale=grad_scale,
         )
+    if target_check is not None:
+        target_check.finish()
 
     z_rows = out.z_loss_rows if out.z_loss_rows is not None else torch.zeros_like(out.loss_rows)
     if options.reduction == "none":

@@ -47,6 +47,7 @@ from flce_policy.kernels.scale import scale_unless_one_
 from flce_policy.options import LossOptions
 from flce_policy.policy_keys import DEFAULT_POLICY_KEY, live_policy, policy_key
 from flce_policy.problem import Problem
+from flce_policy.targets import TargetCheck, poisoned_targets, start_target_check
 
 __all__ = ["compiled_loss"]
 
@@ -95,21 +96,21 @@ def _host_sync_allowed(device: torch.device) -> bool:
     return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
-def _checked_targets(target: torch.Tensor, vocab: int, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The targets to run and the poison to add (None: checked on the host, a ValueError if bad)."""
-    from flce_policy.loss import _check_target_range
+def _checked_targets(
+    target: torch.Tensor, vocab: int, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor | None, TargetCheck | None]:
+    """The targets to run, the poison to add and the check to finish (flce_policy/targets.py).
 
+    Outside CUDA-graph capture: the eager path's check, a ValueError once the call's work is queued.
+    While capturing (no host read allowed): bad rows run as ignored and the poison makes the loss NaN.
+    """
     if not target.numel():
-        return target, None
+        return target, None, None
     if _host_sync_allowed(target.device):
-        _check_target_range(target, vocab, ignore_index)
-        return target, None
-    # On the device: bad rows run as ignored (the kernel must not read outside [0, V)), and the
-    # loss (and the gradient scale) gets NaN when any row was bad. No host sync.
-    bad = ((target < 0) | (target >= vocab)) & (target != ignore_index)
-    nan = torch.full((), float("nan"), dtype=torch.float32, device=target.device)  # a fill: capturable
-    poison = torch.where(bad.any(), nan, torch.zeros_like(nan))
-    return torch.where(bad, torch.full_like(target, ignore_index), target), poison
+        target, check = start_target_check(target, vocab, ignore_index)
+        return target, None, check
+    target, poison = poisoned_targets(target, vocab, ignore_index)
+    return target, poison, None
 
 
 def _empty(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -192,7 +193,7 @@ def _loss_op(
         reduction, ignore_index, label_smoothing, softcap, z_loss_scale, token_accuracy, predicted_tokens,
         token_scaling, accum_dtype,
     )  # fmt: skip
-    target, poison = _checked_targets(target, weight.shape[0], ignore_index)
+    target, poison, target_check = _checked_targets(target, weight.shape[0], ignore_index)
     geometry, fallback, options, want = _plan(
         x,
         weight,
@@ -204,8 +205,9 @@ def _loss_op(
     )
     with torch.autocast(x.device.type, enabled=False):
         result = forward_pass(
-            x, weight, bias, target, class_weight, geometry, options, want, fallback, compute_dtype, poison
-        )
+            x, weight, bias, target, class_weight, geometry, options, want, fallback, compute_dtype, poison,
+            target_check,
+        )  # fmt: skip
     device = x.device
     if reduction == "none" and poison is not None:
         result = result._replace(loss=result.loss + poison)  # the rows of a bad call are NaN too
@@ -262,7 +264,7 @@ def _recompute_op(
         "none", ignore_index, label_smoothing, softcap, z_loss_scale, False, False, token_scaling, accum_dtype
     )
     if target.numel() and not _host_sync_allowed(target.device):
-        target, _ = _checked_targets(target, weight.shape[0], ignore_index)  # the forward's loss is NaN already
+        target, _ = poisoned_targets(target, weight.shape[0], ignore_index)  # the forward's loss is NaN already
     geometry, fallback, options, want = _plan(
         x,
         weight,

@@ -18,6 +18,7 @@ from flce_policy.geometry import Geometry
 from flce_policy.options import LossOptions, Reduction
 from flce_policy.problem import Problem
 from flce_policy.sharded import check_unsharded, is_dtensor
+from flce_policy.targets import TargetCheck, start_target_check
 from flce_policy.vocab_parallel import GradInputMode, prepare_vocab_parallel
 
 if TYPE_CHECKING:
@@ -130,13 +131,10 @@ def fused_linear_cross_entropy(
         check_unsharded(input=input, weight=weight, bias=bias)  # a DTensor or ZeRO-3 shard: a clear error, not torch's
         if tp_grad_input != "full":
             raise ValueError("tp_grad_input applies to a vocab-parallel head only (tp_group or a DTensor weight)")
-        compiling = torch.compiler.is_compiling()
-        # Under torch.compile the target range is checked inside the custom op, at run time.
-        x, target_flat, class_weight = _check_tensors(
-            input, weight, target, bias, class_weight, options, compute_dtype, check_targets=not compiling
-        )
-        if compiling:
-            # One opaque node (flce_policy/custom_op.py): the geometry is resolved inside it at run time.
+        x, target_flat, class_weight = _check_tensors(input, weight, target, bias, class_weight, compute_dtype)
+        if torch.compiler.is_compiling():
+            # One opaque node (flce_policy/custom_op.py): the geometry is resolved and the target
+            # range checked inside it, at run time.
             from flce_policy.custom_op import compiled_loss
 
             loss, z_loss, accuracy, predicted = compiled_loss(
@@ -194,9 +192,15 @@ def _eager_loss(
     options: LossOptions,
     compute_dtype: torch.dtype | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The geometry resolved here, then the autograd Function: ``(loss, z_loss, accuracy, predicted)``."""
-    geometry, fallback = _geometry_for(policy, x, weight, compute_dtype or x.dtype) if x.shape[0] else (None, None)
-    return _apply(x, weight, bias, target, class_weight, geometry, options, fallback, compute_dtype)
+    """The target check started, the geometry resolved, the autograd Function run: its four results.
+
+    The forward pass finishes the check once its kernels are queued (flce_policy/targets.py).
+    """
+    if not x.shape[0]:
+        return _apply(x, weight, bias, target, class_weight, None, options, None, compute_dtype)
+    target, target_check = start_target_check(target, weight.shape[0], options.ignore_index)
+    geometry, fallback = _geometry_for(policy, x, weight, compute_dtype or x.dtype)
+    return _apply(x, weight, bias, target, class_weight, geometry, options, fallback, compute_dtype, target_check)
 
 
 def _apply(
@@ -209,6 +213,7 @@ def _apply(
     options: LossOptions,
     fallback: OOMFallback | None,
     compute_dtype: torch.dtype | None,
+    target_check: TargetCheck | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The autograd Function on a resolved geometry, with the accumulator it planned."""
     if geometry is not None:
@@ -217,8 +222,9 @@ def _apply(
     from flce_policy.autograd import FLCEFunction
 
     return FLCEFunction.apply(
-        x, weight, bias, target, class_weight, geometry, options, torch.is_grad_enabled(), fallback, compute_dtype
-    )
+        x, weight, bias, target, class_weight, geometry, options, torch.is_grad_enabled(), fallback, compute_dtype,
+        target_check,
+    )  # fmt: skip
 
 
 def autocast_dtype(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.dtype | None:
@@ -300,16 +306,13 @@ def _check_tensors(
     target: torch.Tensor,
     bias: torch.Tensor | None,
     class_weight: torch.Tensor | None,
-    options: LossOptions,
     compute_dtype: torch.dtype | None = None,
-    *,
-    check_targets: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Validate shapes, dtypes, devices and target range; return flattened input/target and fp32 weights.
+    """Validate shapes, dtypes and devices; return flattened input/target and fp32 class weights.
 
     ``compute_dtype`` (autocast) lets input, weight and bias differ in dtype: all are cast to it.
-    ``check_targets=False`` leaves the range check (a host sync) to the caller: the custom op under
-    compile, or the vocab-parallel path (a shard's V is not the targets').
+    The target range is the caller's to check (flce_policy/targets.py): eagerly while the call's
+    kernels are queued, inside the custom op under compile, over the whole V for a vocab shard.
     """
     for name, tensor in (("input", input), ("weight", weight), ("target", target)):
         if not isinstance(tensor, torch.Tensor):
@@ -357,17 +360,7 @@ def _check_tensors(
     target_flat = target.reshape(-1).to(torch.int64)
     if not target_flat.is_contiguous():
         target_flat = target_flat.contiguous()
-    if check_targets and target_flat.numel():
-        _check_target_range(target_flat, vocab, options.ignore_index)
     return x, target_flat, class_weight
-
-
-def _check_target_range(target: torch.Tensor, vocab: int, ignore_index: int) -> None:
-    # The one host sync of a forward call: a bad index must be a Python error, not a device assert.
-    bad = ((target < 0) | (target >= vocab)) & (target != ignore_index)
-    if bool(bad.any()):
-        first = target[bad][0].item()
-        raise ValueError(f"target holds index {first}, outside [0, V={vocab}) and not ignore_index={ignore_index}")
 
 
 def _check_runnable_device(device: torch.device) -> None:

@@ -70,15 +70,14 @@ def prepare_vocab_parallel(
     """Check and agree a vocab-parallel call over ``group`` (see the module docstring); collective."""
     # Imported here: the kernels pick interpreter or compiler at import (TRITON_INTERPRET), as loss.py defers them.
     from flce_policy.kernels.vocab_shard import VocabShard
-    from flce_policy.loss import _check_target_range, _check_tensors, _geometry_for
+    from flce_policy.loss import _check_tensors, _geometry_for
+    from flce_policy.targets import check_target_range
 
     if grad_input not in _GRAD_INPUT_MODES:
         raise ValueError(f"tp_grad_input must be 'full' or 'partial', got {grad_input!r}")
     input, weight, bias, class_weight, group = _local_tensors(input, weight, bias, class_weight, group)
     rank, world = _rank_in(group)
-    x, target_flat, class_weight = _check_tensors(
-        input, weight, target, bias, class_weight, options, compute_dtype, check_targets=False
-    )
+    x, target_flat, class_weight = _check_tensors(input, weight, target, bias, class_weight, compute_dtype)
     if weight.shape[0] == 0:
         raise ValueError(f"rank {rank} of tp_group holds an empty vocab shard (weight {tuple(weight.shape)})")
     dtype = compute_dtype or x.dtype
@@ -90,7 +89,7 @@ def prepare_vocab_parallel(
     vocab, start = sum(sizes), sum(sizes[:rank])
     if target_flat.numel():
         try:
-            _check_target_range(target_flat, vocab, options.ignore_index)
+            check_target_range(target_flat, vocab, options.ignore_index)
         except ValueError as err:
             raise ValueError(f"{err}: tp_group's {world} shard(s) hold {sizes} classes, V={vocab} in all") from None
     if geometry is not None and geometry.chunk_size != min(chunk_sizes):

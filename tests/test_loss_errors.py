@@ -102,6 +102,10 @@ def test_bad_arguments_raise_clear_errors(overrides, exc, message):
     with observe_chunks() as events:
         with pytest.raises(exc, match=message):
             call(**_on_device(overrides))
+    if exc is ValueError and message.startswith("target."):
+        # a bad target value is read after the chunks are queued, which ran on safe targets
+        # (bad rows ignored: tests/test_target_check.py); every other check comes before any kernel
+        return
     assert events == []  # caught before any kernel ran
 
 
