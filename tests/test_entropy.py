@@ -141,9 +141,7 @@ def test_entropy_bf16_against_upcast_reference():
 
 def test_entropy_of_an_empty_and_an_all_ignored_batch():
     x, w, b, y, _ = make_inputs()
-    empty = fused_linear_cross_entropy(
-        x[:, :0].float(), w.float(), y[:, :0], return_entropy=True, reduction="none"
-    )
+    empty = fused_linear_cross_entropy(x[:, :0].float(), w.float(), y[:, :0], return_entropy=True, reduction="none")
     assert empty.entropy.shape == (B, 0) and empty.entropy.dtype == torch.float32
     ignored = fused_linear_cross_entropy(x.float(), w.float(), torch.full_like(y, -100), return_entropy=True)
     assert torch.equal(ignored.entropy, torch.zeros(B, T, device=DEVICE))
