@@ -141,8 +141,11 @@ def test_entropy_bf16_against_upcast_reference():
 
 def test_entropy_of_an_empty_and_an_all_ignored_batch():
     x, w, b, y, _ = make_inputs()
-    empty = fused_linear_cross_entropy(x[:, :0].float(), w.float(), y[:, :0], return_entropy=True, reduction="none")
+    xe, we = x[:, :0].float().requires_grad_(), w.float().requires_grad_()
+    empty = fused_linear_cross_entropy(xe, we, y[:, :0], return_entropy=True, reduction="none")
     assert empty.entropy.shape == (B, 0) and empty.entropy.dtype == torch.float32
+    empty.loss.sum().backward()  # reduction none's backward of no rows: zero gradients
+    assert xe.grad.shape == xe.shape and not we.grad.any()
     ignored = fused_linear_cross_entropy(x.float(), w.float(), torch.full_like(y, -100), return_entropy=True)
     assert torch.equal(ignored.entropy, torch.zeros(B, T, device=DEVICE))
 
