@@ -33,7 +33,7 @@ from flce_policy.integrations.hf_families import logit_transform, unapplied_tran
 from flce_policy.loss import FLCEOutput, fused_linear_cross_entropy
 from flce_policy.sharded import is_dtensor, is_zero3_partitioned
 
-__all__ = ["add_flce_lm_head", "apply_flce_to_sft_trainer", "SUPPORTED_OUTPUTS", "SFT_OUTPUTS"]
+__all__ = ["add_flce_lm_head", "apply_flce_to_sft_trainer", "SUPPORTED_OUTPUTS", "REFUSED_OUTPUTS", "SFT_OUTPUTS"]
 
 #: ``FusedCausalLMOutput`` per-token fields this head computes (``log_probs`` always).
 SUPPORTED_OUTPUTS = ("log_probs", "entropy", "is_top1")
