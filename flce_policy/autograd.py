@@ -16,6 +16,7 @@ weight's gradient is accumulated in fp32 by the driver, with no low-precision gr
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import torch
@@ -40,6 +41,7 @@ def _ce_params(options: LossOptions) -> CEParams:
         track_argmax=options.return_token_accuracy or options.return_predicted_tokens,
         token_scaling=options.use_token_scaling,
         shard=options.vocab_shard,
+        entropy=options.return_entropy,
     )
 
 
@@ -84,7 +86,7 @@ class FLCEFunction(torch.autograd.Function):
         fallback: OOMFallback | None = DEFAULT_OOM_FALLBACK,
         compute_dtype: torch.dtype | None = None,
         target_check: TargetCheck | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         # needs_input_grad ignores torch.no_grad(): the caller's grad mode is passed in.
         want = GradRequest(
             input=grad_enabled and ctx.needs_input_grad[0],
@@ -128,6 +130,7 @@ class ForwardResult(NamedTuple):
     #: (None where not wanted, and all None for ``none``, whose backward recomputes).
     grads: tuple[torch.Tensor | None, ...]
     geometry: Geometry | None  # the geometry that completed (the OOM fallback may have halved it)
+    entropy: torch.Tensor | None = None  # [BT] fp32 entropy of softmax(z) per row (0 where ignored), when asked
 
 
 def _forward(
@@ -142,7 +145,7 @@ def _forward(
     want: GradRequest,
     fallback: OOMFallback | None,
     target_check: TargetCheck | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     if options.reduction == "none":
         # the caller's tensors: backward casts again rather than holding a copy between the passes
         ctx.save_for_backward(x, weight, bias, target, class_weight)
@@ -150,14 +153,15 @@ def _forward(
         x, weight, bias, target, class_weight, geometry, options, want, fallback, ctx.compute_dtype,
         target_check=target_check,
     )  # fmt: skip
-    ctx.mark_non_differentiable(*(t for t in (result.z_loss, result.accuracy, result.predicted) if t is not None))
+    extras = (result.z_loss, result.accuracy, result.predicted, result.entropy)
+    ctx.mark_non_differentiable(*(t for t in extras if t is not None))
     # The geometry that completed: reduction none's backward starts from it, not from the one asked for.
     ctx.options, ctx.geometry, ctx.want, ctx.fallback = options, result.geometry, want, fallback
     if options.reduction != "none":
         # Kept off save_for_backward and dropped in backward, so autograd can adopt the
         # buffers as .grad without copying a parameter-sized tensor.
         ctx.grads = result.grads
-    return result.loss, result.z_loss, result.accuracy, result.predicted
+    return result.loss, result.z_loss, result.accuracy, result.predicted, result.entropy
 
 
 def forward_pass(
@@ -231,7 +235,7 @@ def forward_pass(
         accuracy = torch.zeros((), dtype=torch.float32, device=x.device)
     predicted = out.argmax_rows if options.return_predicted_tokens else None
     grads = _in_caller_dtypes(caller_dtypes, out) if options.reduction != "none" else (None, None, None)
-    return ForwardResult(loss, z_loss, accuracy, predicted, grads, geometry)
+    return ForwardResult(loss, z_loss, accuracy, predicted, grads, geometry, out.entropy_rows)
 
 
 def _in_caller_dtypes(
@@ -295,7 +299,7 @@ def recompute_grads(
     Returns the gradients in the caller's dtypes and the geometry that completed.
     """
     if geometry is None:
-        return _empty_outputs(x, weight, bias, want, CEParams())[3:], None
+        return _empty_outputs(x, weight, bias, want, CEParams())[3:6], None
     caller_dtypes = (x.dtype, None if bias is None else bias.dtype)
     x, weight, bias = _operands(x, weight, bias, compute_dtype)
     row_scale = grad_loss.reshape(-1).to(torch.float32).contiguous()
@@ -305,7 +309,7 @@ def recompute_grads(
         bias,
         target,
         geometry,
-        _ce_params(options),
+        dataclasses.replace(_ce_params(options), entropy=False),  # the forward returned it already
         want,
         fallback,
         class_weight=class_weight,
@@ -326,4 +330,5 @@ def _empty_outputs(
         torch.zeros_like(x) if want.input else None,
         torch.zeros_like(weight, dtype=want.weight_dtype) if want.weight else None,
         torch.zeros_like(bias) if want.bias and bias is not None else None,
+        empty if params.entropy else None,
     )

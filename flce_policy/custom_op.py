@@ -136,6 +136,7 @@ _SCALARS = (
     "want_input",
     "want_weight",
     "want_bias",
+    "entropy",
 )
 
 
@@ -149,6 +150,7 @@ def _options(
     predicted_tokens: bool,
     token_scaling: bool,
     accum_dtype: torch.dtype | None,
+    entropy: bool = False,
 ) -> LossOptions:
     return LossOptions(
         ignore_index=ignore_index,
@@ -160,6 +162,7 @@ def _options(
         return_predicted_tokens=predicted_tokens,
         use_token_scaling=token_scaling,
         accum_dtype=accum_dtype,
+        return_entropy=entropy,
     )
 
 
@@ -187,11 +190,14 @@ def _loss_op(
     want_input: bool,
     want_weight: bool,
     want_bias: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(loss, z_loss, accuracy, predicted, grad_input, grad_weight, grad_bias)``; unwanted ones are empty."""
+    entropy: bool = False,
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+]:
+    """``(loss, z_loss, accuracy, predicted, grad_input, grad_weight, grad_bias, entropy)``; unwanted ones are empty."""
     options = _options(
         reduction, ignore_index, label_smoothing, softcap, z_loss_scale, token_accuracy, predicted_tokens,
-        token_scaling, accum_dtype,
+        token_scaling, accum_dtype, entropy,
     )  # fmt: skip
     target, poison, target_check = _checked_targets(target, weight.shape[0], ignore_index)
     geometry, fallback, options, want = _plan(
@@ -215,13 +221,14 @@ def _loss_op(
         g if g is not None else _empty(device, t.dtype) for g, t in zip(result.grads, (x, weight, x), strict=True)
     )
     predicted = result.predicted if result.predicted is not None else _empty(device, torch.int64)
-    return (result.loss, result.z_loss, result.accuracy, predicted, *grads)  # type: ignore[return-value]
+    entropy_rows = result.entropy if result.entropy is not None else _empty(device)
+    return (result.loss, result.z_loss, result.accuracy, predicted, *grads, entropy_rows)  # type: ignore[return-value]
 
 
 @_loss_op.register_fake
 def _(x, weight, bias, target, class_weight, policy_key, rows, vocab_chunk, accum, reduction, ignore_index,
       label_smoothing, softcap, z_loss_scale, token_accuracy, predicted_tokens, token_scaling, accum_dtype,
-      compute_dtype, want_input, want_weight, want_bias):  # fmt: skip
+      compute_dtype, want_input, want_weight, want_bias, entropy=False):  # fmt: skip
     f32, device = torch.float32, x.device
     loss_shape = (x.shape[0],) if reduction == "none" else ()
     in_forward = reduction != "none"
@@ -233,6 +240,7 @@ def _(x, weight, bias, target, class_weight, policy_key, rows, vocab_chunk, accu
         torch.empty_like(x) if in_forward and want_input else _empty(device, x.dtype),
         torch.empty_like(weight) if in_forward and want_weight else _empty(device, weight.dtype),
         torch.empty_like(bias) if in_forward and want_bias and bias is not None else _empty(device, x.dtype),
+        x.new_empty((x.shape[0],) if entropy else (0,), dtype=f32),
     )
 
 
@@ -317,14 +325,15 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor
     wanted = (ctx.scalars["want_input"], ctx.scalars["want_weight"], ctx.scalars["want_bias"] and ctx.has_bias)
     # Detached handles, not saved tensors: saving would make autograd keep (and under some
     # settings copy) them, and a handle with the output's grad_fn would form a reference cycle.
-    ctx.grads = tuple(g.detach() if w else None for g, w in zip(output[4:], wanted, strict=True))
+    ctx.grads = tuple(g.detach() if w else None for g, w in zip(output[4:7], wanted, strict=True))
 
 
 def _backward(ctx: Any, grad_loss: torch.Tensor, *_: Any) -> tuple[Any, ...]:
     s = ctx.scalars
     if s["reduction"] == "none":
         x, weight, bias, target, class_weight = ctx.saved_tensors
-        recompute = (s[name] for name in _SCALARS if name not in ("reduction", "token_accuracy", "predicted_tokens"))
+        forward_only = ("reduction", "token_accuracy", "predicted_tokens", "entropy")
+        recompute = (s[name] for name in _SCALARS if name not in forward_only)
         grads = _recompute_op(x, weight, bias, target, class_weight, grad_loss.contiguous(), *recompute)
         wanted = (s["want_input"], s["want_weight"], s["want_bias"] and ctx.has_bias)
         grads = tuple(g if w else None for g, w in zip(grads, wanted, strict=True))
@@ -351,8 +360,8 @@ def compiled_loss(
     policy: Any,
     options: LossOptions,
     compute_dtype: torch.dtype | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``FLCEFunction.apply``'s results through the custom op: ``(loss, z_loss, accuracy, predicted)``."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``FLCEFunction.apply``'s results through the custom op: ``(loss, z_loss, accuracy, predicted, entropy)``."""
     from flce_policy.policy import FLCEPolicy
 
     rows, vocab_chunk, accum = 0, 0, ""
@@ -391,9 +400,11 @@ def compiled_loss(
         grad_enabled and x.requires_grad,
         grad_enabled and weight.requires_grad,
         grad_enabled and bias is not None and bias.requires_grad,
+        options.return_entropy,
     )
     loss, z_loss, accuracy, predicted = out[:4]
-    return loss, z_loss, accuracy, predicted if options.return_predicted_tokens else None
+    entropy = out[7] if options.return_entropy else None
+    return loss, z_loss, accuracy, predicted if options.return_predicted_tokens else None, entropy
 
 
 def _check_geometry_matches(geometry: Geometry, x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> None:

@@ -31,18 +31,21 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class FLCEOutput(NamedTuple):
-    """Returned when ``return_z_loss``, ``return_token_accuracy`` or ``return_predicted_tokens`` is set.
+    """Returned when any of ``return_z_loss``, ``return_token_accuracy``, ``return_predicted_tokens``,
+    ``return_entropy`` is set.
 
     ``z_loss`` (already included in ``loss``), ``token_accuracy`` (share of non-ignored tokens
-    whose argmax logit is the target) and ``predicted_tokens`` (int64, ``target``'s shape: each
-    token's argmax class, -1 where the target is ignored) are detached, for logging; ``None`` when
-    not requested.
+    whose argmax logit is the target), ``predicted_tokens`` (int64, ``target``'s shape: each
+    token's argmax class, -1 where the target is ignored) and ``entropy`` (fp32 nats, ``target``'s
+    shape: each token's entropy of the softmax of its logits, after the softcap; 0 where ignored)
+    are detached, for logging; ``None`` when not requested.
     """
 
     loss: torch.Tensor
     z_loss: torch.Tensor | None
     token_accuracy: torch.Tensor | None
     predicted_tokens: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
 
 
 def fused_linear_cross_entropy(
@@ -65,6 +68,7 @@ def fused_linear_cross_entropy(
     return_predicted_tokens: bool = False,
     tp_group: Any = None,
     tp_grad_input: GradInputMode = "full",
+    return_entropy: bool = False,
 ) -> torch.Tensor | FLCEOutput:
     """``cross_entropy(input @ weight.T + bias, target)`` without materialising the logits.
 
@@ -90,6 +94,11 @@ def fused_linear_cross_entropy(
         use_token_scaling: multiply each token's loss (cross-entropy and z-loss), and so its
             gradient, by the detached predicted probability of its target (TRL's ``dft`` loss).
         return_predicted_tokens: return each token's argmax class (-1 where ignored).
+        return_entropy: return each token's entropy (nats, fp32, detached, ``target``'s shape, 0 where
+            ignored) of ``softmax(z)``, ``z`` the logits after ``softcap``: independent of label
+            smoothing, class weights and token scaling. Computed in the same kernel pass (one more
+            online partial sum), whatever the reduction. Not supported for a vocab-parallel head
+            (``tp_group`` or a DTensor weight): NotImplementedError.
         tp_group: a ``torch.distributed`` process group over which the head is split along the
             vocabulary (vocab parallel): ``weight``, ``bias`` and ``class_weight`` are this rank's
             contiguous shard (shards in group-rank order, sizes may differ), ``input`` and
@@ -118,13 +127,14 @@ def fused_linear_cross_entropy(
         accum_dtype=accum_dtype,
         use_token_scaling=use_token_scaling,
         return_predicted_tokens=return_predicted_tokens,
+        return_entropy=return_entropy,
     )
     compute_dtype = autocast_dtype(input, weight, bias)
     # A Shard(0) DTensor weight is a tensor-parallel head when the input is a (replicated) DTensor
     # too, as inside a ColwiseParallel module's call; with a plain input it is more likely an FSDP2
     # shard handed over outside the forward that unshards it: check_unsharded says so.
     if tp_group is not None or (is_dtensor(weight) and is_dtensor(input)):
-        loss, z_loss, accuracy, predicted = _vocab_parallel_loss(
+        loss, z_loss, accuracy, predicted, entropy = _vocab_parallel_loss(
             input, weight, target, bias, class_weight, options, policy, tp_group, tp_grad_input, compute_dtype
         )
     else:
@@ -137,22 +147,23 @@ def fused_linear_cross_entropy(
             # range checked inside it, at run time.
             from flce_policy.custom_op import compiled_loss
 
-            loss, z_loss, accuracy, predicted = compiled_loss(
+            loss, z_loss, accuracy, predicted, entropy = compiled_loss(
                 x, weight, bias, target_flat, class_weight, policy, options, compute_dtype
             )
         else:
-            loss, z_loss, accuracy, predicted = _eager_loss(
+            loss, z_loss, accuracy, predicted, entropy = _eager_loss(
                 x, weight, bias, target_flat, class_weight, policy, options, compute_dtype
             )
     if reduction == "none":
         loss, z_loss = loss.view(target.shape), z_loss.view(target.shape)
-    if not (return_z_loss or return_token_accuracy or return_predicted_tokens):
+    if not (return_z_loss or return_token_accuracy or return_predicted_tokens or return_entropy):
         return loss
     return FLCEOutput(
         loss,
         z_loss if return_z_loss else None,
         accuracy if return_token_accuracy else None,
         predicted.view(target.shape) if return_predicted_tokens else None,
+        entropy.view(target.shape) if return_entropy else None,
     )
 
 
@@ -167,8 +178,13 @@ def _vocab_parallel_loss(
     group: Any,
     grad_input: GradInputMode,
     compute_dtype: torch.dtype | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The vocab-parallel path (flce_policy/vocab_parallel.py), eager only."""
+    if options.return_entropy:
+        raise NotImplementedError(
+            "return_entropy is not supported for a vocab-parallel head (tp_group or a DTensor weight) yet: "
+            "its partial sums are not merged across the ranks"
+        )
     if torch.compiler.is_compiling():
         raise NotImplementedError(
             "a vocab-parallel head (tp_group or a DTensor weight) is not supported under torch.compile yet: "
@@ -191,8 +207,8 @@ def _eager_loss(
     policy: Any,
     options: LossOptions,
     compute_dtype: torch.dtype | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The target check started, the geometry resolved, the autograd Function run: its four results.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The target check started, the geometry resolved, the autograd Function run: its five results.
 
     The forward pass finishes the check once its kernels are queued (flce_policy/targets.py).
     """
@@ -214,7 +230,7 @@ def _apply(
     fallback: OOMFallback | None,
     compute_dtype: torch.dtype | None,
     target_check: TargetCheck | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The autograd Function on a resolved geometry, with the accumulator it planned."""
     if geometry is not None:
         options = options.following(geometry)

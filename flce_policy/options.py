@@ -32,6 +32,7 @@ class LossOptions:
     accum_dtype: torch.dtype | None = None
     use_token_scaling: bool = False
     return_predicted_tokens: bool = False
+    return_entropy: bool = False
     #: Set by the loss for a vocab-parallel head (``tp_group``, or a ``Shard(0)`` DTensor weight):
     #: this rank's :class:`flce_policy.kernels.vocab_shard.VocabShard`. Not a caller's option.
     vocab_shard: Any = None
@@ -47,7 +48,9 @@ class LossOptions:
             raise ValueError(f"softcap must be a positive finite number or None, got {self.softcap!r}")
         if not _is_real(self.z_loss_scale) or self.z_loss_scale < 0:
             raise ValueError(f"z_loss_scale must be a finite number >= 0, got {self.z_loss_scale!r}")
-        for name in ("return_z_loss", "return_token_accuracy", "use_token_scaling", "return_predicted_tokens"):
+        for name in (
+            "return_z_loss", "return_token_accuracy", "use_token_scaling", "return_predicted_tokens", "return_entropy"
+        ):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.accum_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):

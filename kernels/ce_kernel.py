@@ -15,6 +15,8 @@ GPU enough programs; every (tile, segment) owns one partial slot of the row. Two
 
 Notation: ``x`` the raw logit, ``z = softcap * tanh(x / softcap)`` (or ``z = x``), ``p = softmax(z)``,
 ``w`` the class weights (1 without), ``W = sum_c w_c``, ``eps`` label smoothing, ``y`` the target.
+With ``ENTROPY`` the partial pass also keeps ``s = sum(exp(z - m) * z)``, rescaled and merged like ``d``,
+and the finish kernel writes each row's entropy ``lse - s / d`` (of ``softmax(z)``, nothing else).
 Per row, matching ``torch.nn.functional.cross_entropy``::
 
     ce  = (1 - eps) * w_y * (lse - z_y) + eps / V * (W * lse - sum_c w_c z_c)
@@ -49,6 +51,7 @@ TARGET_PROGRAMS = 8192
 #: Warps per program for blocks of >= 2048 elements (4 below).
 WIDE_BLOCK_WARPS = 8
 _PARTIALS = 6  # m, d, sum_wz, sum_w, best, z_y
+_ENTROPY_PLANE = 6  # sum(exp(z - m) * z), only in a workspace made with entropy=True
 
 
 class CEWorkspace(NamedTuple):
@@ -58,12 +61,15 @@ class CEWorkspace(NamedTuple):
     segments_per_tile: int
     segment_len: int  # columns per segment, a multiple of block_v
     slots: int  # partial slots per row: segments_per_tile padded to a power of two (tiles merge into them)
-    partials: torch.Tensor  # [_PARTIALS, rows, slots] fp32; z_y at slot 0 only
+    partials: torch.Tensor  # [_PARTIALS (+1 with entropy), rows, slots] fp32; z_y at slot 0 only
     best_index: torch.Tensor  # [rows, slots] int32
 
 
-def ce_workspace(rows: int, tile_cols: int, device: torch.device) -> CEWorkspace:
-    """Segment plan and scratch for chunks of up to ``rows`` rows, in tiles of up to ``tile_cols`` columns."""
+def ce_workspace(rows: int, tile_cols: int, device: torch.device, *, entropy: bool = False) -> CEWorkspace:
+    """Segment plan and scratch for chunks of up to ``rows`` rows, in tiles of up to ``tile_cols`` columns.
+
+    ``entropy`` adds the plane of the entropy partial sums.
+    """
     block_v = min(triton.next_power_of_2(tile_cols), MAX_BLOCK_V)
     blocks = triton.cdiv(tile_cols, block_v)
     # Each segment keeps >= 2 blocks so its loop still pipelines loads.
@@ -71,11 +77,14 @@ def ce_workspace(rows: int, tile_cols: int, device: torch.device) -> CEWorkspace
     segments = max(1, min(wanted, 1 << ((blocks // 2).bit_length() - 1) if blocks >= 2 else 1))
     segment_len = triton.cdiv(blocks, segments) * block_v
     slots = triton.next_power_of_2(segments)
-    partials = torch.empty((_PARTIALS, rows, slots), dtype=torch.float32, device=device)
+    planes = _PARTIALS + 1 if entropy else _PARTIALS
+    partials = torch.empty((planes, rows, slots), dtype=torch.float32, device=device)
     # Padding slots are never written: make them neutral for the merge (exp(-inf) = 0, sums 0).
     partials[0].fill_(-float("inf"))
     partials[1:4].zero_()
     partials[4].fill_(-float("inf"))
+    if entropy:
+        partials[_ENTROPY_PLANE].zero_()
     best_index = torch.zeros((rows, slots), dtype=torch.int32, device=device)
     return CEWorkspace(block_v, segments, segment_len, slots, partials, best_index)
 
@@ -115,6 +124,7 @@ def _ce_partial_kernel(
     NUM_SLOTS: tl.constexpr,
     BLOCK_V: tl.constexpr,
     MERGE: tl.constexpr,
+    ENTROPY: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     segment = tl.program_id(1)
@@ -132,6 +142,7 @@ def _ce_partial_kernel(
         sum_w = 0.0
         best = -float("inf")
         best_idx = 0
+        s = 0.0
         for start in range(col_start, col_stop, BLOCK_V):
             offs = start + cols
             mask = offs < col_stop
@@ -154,6 +165,9 @@ def _ce_partial_kernel(
                     best_idx = col_offset + start + block_idx
             m_new = tl.maximum(m, block_max)
             d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            if ENTROPY:
+                # masked lanes hold z = -inf, and exp(z - m) = 0: their z is taken as 0, not -inf (0 * -inf = nan)
+                s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new) * tl.where(mask, z, 0.0), axis=0)
             m = m_new
         slot = row * NUM_SLOTS + segment
         if MERGE:
@@ -164,6 +178,8 @@ def _ce_partial_kernel(
             m_new = tl.maximum(m_old, m)
             m_ref = tl.where(m_new == -float("inf"), 0.0, m_new)
             d = d_old * tl.exp(m_old - m_ref) + d * tl.exp(m - m_ref)
+            if ENTROPY:
+                s = tl.load(partials_ptr + 6 * plane + slot) * tl.exp(m_old - m_ref) + s * tl.exp(m - m_ref)
             m = m_new
             sum_wz += tl.load(partials_ptr + 2 * plane + slot)
             sum_w += tl.load(partials_ptr + 3 * plane + slot)
@@ -186,6 +202,8 @@ def _ce_partial_kernel(
         if TRACK_ARGMAX:
             tl.store(partials_ptr + 4 * plane + slot, best)
             tl.store(best_index_ptr + slot, best_idx)
+        if ENTROPY:
+            tl.store(partials_ptr + 6 * plane + slot, s)
 
 
 @triton.jit
@@ -220,6 +238,8 @@ def _ce_finish_kernel(
     SCALE_PER_ROW: tl.constexpr,
     NUM_SLOTS: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    entropy_ptr=None,
+    ENTROPY: tl.constexpr = False,
 ):
     # Walk the programs in the reverse of the partial kernel's order: the segments it read last
     # are the ones still in L2, so the second read of the slab starts with cache hits.
@@ -238,6 +258,8 @@ def _ce_finish_kernel(
                 tl.store(z_loss_ptr + row, 0.0)
             if TRACK_ARGMAX:
                 tl.store(argmax_ptr + row, -1)
+            if ENTROPY:
+                tl.store(entropy_ptr + row, 0.0)
         if WRITE_GRAD:
             for start in range(col_start, col_stop, BLOCK_V):
                 offs = start + cols
@@ -278,6 +300,12 @@ def _ce_finish_kernel(
                 best_i = tl.load(best_index_ptr + slots)
                 idx = tl.min(tl.where(best_s == tl.max(best_s, axis=0), best_i, vocab), axis=0)
                 tl.store(argmax_ptr + row, idx.to(tl.int64))
+            if ENTROPY:
+                # entropy = lse - sum_c p_c z_c, both sums merged over the slots as lse's is
+                rescale = tl.exp(m_s - m)
+                d_all = tl.sum(d_s * rescale, axis=0)
+                s_all = tl.sum(tl.load(partials_ptr + 6 * plane + slots) * rescale, axis=0)
+                tl.store(entropy_ptr + row, lse - s_all / d_all)
 
         if WRITE_GRAD:
             if SCALE_PER_ROW:
@@ -334,10 +362,12 @@ def ce_partial(
     softcap: float | None = None,
     class_weight: torch.Tensor | None = None,
     track_argmax: bool = False,
+    entropy: bool = False,
 ) -> None:
     """Pass 1 over one tile: ``logits [n, tile]`` holds columns ``col_offset ...`` of every row.
 
     The first tile of a row chunk writes the rows' partials; every later tile merges into them.
+    ``entropy`` also keeps the entropy partials (the workspace must have been made with ``entropy=True``).
     """
     n_rows, n_cols = logits.shape
     ws = workspace
@@ -356,6 +386,7 @@ def ce_partial(
         ignore_index,
         softcap if softcap is not None else 1.0,
         MERGE=not first_tile,
+        ENTROPY=entropy,
         **flags,
     )
 
@@ -379,8 +410,12 @@ def ce_finish(
     token_scaling: bool = False,
     grad_scale: torch.Tensor | None = None,
     scale_per_row: bool = False,
+    entropy_rows: torch.Tensor | None = None,
 ) -> None:
-    """Pass 2 over one tile, after pass 1 saw every tile: the rows' losses and the tile's gradient."""
+    """Pass 2 over one tile, after pass 1 saw every tile: the rows' losses and the tile's gradient.
+
+    ``entropy_rows`` (fp32, written with the losses) receives each row's entropy in nats, 0 where ignored.
+    """
     n_rows, n_cols = logits.shape
     ws = workspace
     write_grad = grad_scale is not None
@@ -411,6 +446,8 @@ def ce_finish(
         WRITE_GRAD=write_grad,
         SCALE_PER_ROW=scale_per_row,
         TOKEN_SCALING=token_scaling,
+        entropy_ptr=entropy_rows,
+        ENTROPY=entropy_rows is not None,
         **_flags(ws, class_weight, label_smoothing, softcap, argmax_rows is not None),
     )
 
@@ -432,13 +469,15 @@ def ce_rows(
     grad_scale: torch.Tensor | None = None,
     scale_per_row: bool = False,
     shard: VocabShard | None = None,
+    entropy_rows: torch.Tensor | None = None,
 ) -> None:
     """Per-row loss of ``logits [n, V]`` (fp32 into ``loss_rows [n]``); gradient in place when ``grad_scale``.
 
     The row-only case: one tile spanning V. ``grad_scale`` (fp32, on the device) is
     ``[scale_ce, scale_z]`` or, with ``scale_per_row``, one scale per row: reading it in the kernel
     keeps the mean's denominator off the host. ``z_loss_rows`` receives ``z_loss_scale * lse**2``,
-    ``argmax_rows`` (int64) each row's argmax class (-1 where ignored). ``token_scaling`` multiplies
+    ``argmax_rows`` (int64) each row's argmax class (-1 where ignored), ``entropy_rows`` (fp32) each row's
+    entropy of ``softmax(z)`` (0 where ignored; needs an ``entropy=True`` workspace). ``token_scaling`` multiplies
     each row's loss and gradient by its detached ``p_target``. Nothing is checked here: the driver
     calls it once per chunk. With a ``shard`` (tensor parallel) ``logits`` are this rank's columns
     of the vocabulary: the rows' partials are merged over the group between the two passes, and
@@ -449,7 +488,8 @@ def ce_rows(
     )
     col_offset = 0 if shard is None else shard.start
     track_argmax = argmax_rows is not None
-    ce_partial(logits, target, workspace, col_offset=col_offset, track_argmax=track_argmax, **shared)
+    entropy = entropy_rows is not None
+    ce_partial(logits, target, workspace, col_offset=col_offset, track_argmax=track_argmax, entropy=entropy, **shared)
     if shard is not None:
         shard.merge(workspace, target, ignore_index, track_argmax)
     ce_finish(
@@ -465,5 +505,6 @@ def ce_rows(
         token_scaling=token_scaling,
         grad_scale=grad_scale,
         scale_per_row=scale_per_row,
+        entropy_rows=entropy_rows,
         **shared,
     )

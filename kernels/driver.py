@@ -45,6 +45,7 @@ class CEParams:
     z_loss_scale: float = 0.0
     track_argmax: bool = False
     token_scaling: bool = False  # each row's loss and gradient times its detached p_target
+    entropy: bool = False  # each row's entropy of softmax(z) into DriverOutputs.entropy_rows
     #: This rank's slice of a vocab-parallel head; the rows' partials are merged over its group per chunk.
     shard: VocabShard | None = None
 
@@ -73,6 +74,7 @@ class DriverOutputs(NamedTuple):
     grad_input: torch.Tensor | None  # [BT, H], input dtype
     grad_weight: torch.Tensor | None  # [V, H], grads.weight_dtype or the weight's
     grad_bias: torch.Tensor | None  # [V], bias dtype
+    entropy_rows: torch.Tensor | None = None  # [BT] fp32, entropy of softmax(z) in nats (0 where ignored)
 
 
 class DriverCall(NamedTuple):
@@ -199,6 +201,7 @@ def run_geometry(
         grad_input=torch.empty_like(x) if grads.input else None,
         grad_weight=torch.empty(weight.shape, dtype=accum_dtype, device=device) if grads.weight else None,
         grad_bias=torch.zeros(vocab, dtype=f32, device=device) if grads.bias else None,
+        entropy_rows=torch.empty(tokens, dtype=f32, device=device) if params.entropy else None,
     )
     call = DriverCall(x, weight, bias, target, geometry, params, grads, class_weight, grad_scale, scale_per_row)
     (_run_rows if geometry.is_row_only else run_vocab_tiled)(call, outputs)
@@ -214,10 +217,10 @@ def run_geometry(
 def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
     """The row-only loop: one [chunk_size, V] slab, three GEMMs per chunk."""
     x, weight, bias, target, geometry, params, grads, class_weight, grad_scale, scale_per_row = call
-    loss_rows, z_loss_rows, argmax_rows, grad_input, grad_weight, grad_bias = outputs
+    loss_rows, z_loss_rows, argmax_rows, grad_input, grad_weight, grad_bias, entropy_rows = outputs
     tokens, chunk_size = x.shape[0], geometry.chunk_size
     slab = torch.empty((chunk_size, geometry.vocab_chunk), dtype=x.dtype, device=x.device)
-    workspace = ce_workspace(chunk_size, geometry.vocab_chunk, x.device)
+    workspace = ce_workspace(chunk_size, geometry.vocab_chunk, x.device, entropy=entropy_rows is not None)
     weight_t = weight.t()
     for index in range(geometry.num_chunks):
         if _fault_hooks:
@@ -245,6 +248,7 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
             grad_scale=None if not grads.any else grad_scale[start:stop] if scale_per_row else grad_scale,
             scale_per_row=scale_per_row,
             shard=params.shard,
+            entropy_rows=None if entropy_rows is None else entropy_rows[start:stop],
         )
         if grad_input is not None:
             torch.mm(logits, weight, out=grad_input[start:stop])

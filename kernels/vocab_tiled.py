@@ -65,7 +65,7 @@ class _TiledRun:
         self.tiles = [(start, min(start + width, vocab)) for start in range(0, vocab, width)]
         self.slab = torch.empty(geometry.chunk_size * width, dtype=x.dtype, device=x.device)
         self.slab_bytes = self.slab.numel() * self.slab.element_size()
-        self.workspace = ce_workspace(geometry.chunk_size, width, x.device)
+        self.workspace = ce_workspace(geometry.chunk_size, width, x.device, entropy=outputs.entropy_rows is not None)
         self.layout = accumulator_layout(
             geometry, input_grad=outputs.grad_input is not None, weight_grad=outputs.grad_weight is not None
         )
@@ -104,18 +104,22 @@ class _TiledRun:
                 col_offset=self.col_base + start,
                 first_tile=tile_index == 0,
                 track_argmax=track_argmax,
+                entropy=self.outputs.entropy_rows is not None,
                 **self.shared,
             )
         if self.shard is not None:
             self.shard.merge(self.workspace, target_chunk, self.params.ignore_index, track_argmax)
 
     def finish_options(self, rows: slice, scale_per_row: bool) -> dict:
-        z_loss_rows, argmax_rows = self.outputs.z_loss_rows, self.outputs.argmax_rows
+        z_loss_rows, argmax_rows, entropy_rows = (
+            self.outputs.z_loss_rows, self.outputs.argmax_rows, self.outputs.entropy_rows
+        )  # fmt: skip
         return dict(
             vocab=self.weight.shape[0] if self.shard is None else self.shard.vocab,
             z_loss_scale=self.params.z_loss_scale,
             z_loss_rows=None if z_loss_rows is None else z_loss_rows[rows],
             argmax_rows=None if argmax_rows is None else argmax_rows[rows],
+            entropy_rows=None if entropy_rows is None else entropy_rows[rows],
             token_scaling=self.params.token_scaling,
             scale_per_row=scale_per_row,
             **self.shared,
@@ -130,7 +134,7 @@ class _TiledRun:
 
     def grad_pass(self, x_chunk, target_chunk, rows: slice, finish: dict, *, first_chunk: bool) -> None:
         """Pass 2: per tile, dL/dlogits, then the grad_input accumulator, grad_weight slice and grad_bias."""
-        _, _, _, grad_input, grad_weight, grad_bias = self.outputs
+        grad_input, grad_weight, grad_bias = self.outputs.grad_input, self.outputs.grad_weight, self.outputs.grad_bias
         loss_rows = self.outputs.loss_rows[rows]
         accumulator = (
             None

@@ -166,9 +166,11 @@ def test_gradient_accumulation_equals_one_batch():
         assert rel_err(named[name].grad, p.grad) < TOL, name
 
 
-def test_token_accuracy_and_predicted_tokens_on_the_output():
+def test_token_accuracy_predicted_tokens_and_entropy_on_the_output():
     ref, _ = model_pair("gemma2")
-    patched = apply_flce(copy.deepcopy(ref), return_token_accuracy=True, return_predicted_tokens=True)
+    patched = apply_flce(
+        copy.deepcopy(ref), return_token_accuracy=True, return_predicted_tokens=True, return_entropy=True
+    )
     ids, labels = batch(5)
     out = patched(input_ids=ids, labels=labels)
     with torch.no_grad():
@@ -179,6 +181,9 @@ def test_token_accuracy_and_predicted_tokens_on_the_output():
     assert torch.equal(out.predicted_tokens, predicted)
     accuracy = ((predicted == shifted) & valid).sum() / valid.sum()
     assert abs(out.token_accuracy.item() - accuracy.item()) < 1e-6
+    # HF's softcapped logits: each position's entropy of its next-token distribution, 0 where not scored
+    entropy = -(torch.softmax(logits.double(), -1) * torch.log_softmax(logits.double(), -1)).sum(-1)
+    torch.testing.assert_close(out.entropy.double(), torch.where(valid, entropy, 0.0), rtol=0, atol=1e-5)
 
 
 def test_causal_lm_loss_is_hf_for_causal_lm_loss():

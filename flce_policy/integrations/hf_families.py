@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LogitTransform", "FAMILIES", "TRANSFORM_ATTRIBUTES", "logit_transform"]
+__all__ = ["LogitTransform", "FAMILIES", "TRANSFORM_ATTRIBUTES", "logit_transform", "unapplied_transform_attributes"]
 
 
 @dataclass(frozen=True)
@@ -64,12 +64,23 @@ TRANSFORM_ATTRIBUTES = (
 )
 
 
+def unapplied_transform_attributes(config: Any) -> list[str]:
+    """The :data:`TRANSFORM_ATTRIBUTES` set on ``config`` (not None or 1) that its family does not apply.
+
+    For an unlisted family, every one that is set. A caller that reads these attributes whatever
+    the family (TRL's fused LM head does) would transform the logits where the model does not.
+    """
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    applied = () if family is None else (family.softcap_attr, family.scale_attr)
+    return [a for a in TRANSFORM_ATTRIBUTES if a not in applied and getattr(config, a, None) not in (None, 1, 1.0)]
+
+
 def logit_transform(config: Any) -> LogitTransform:
     """The transform ``config``'s family applies to its logits; ValueError for an unknown transform."""
     model_type = getattr(config, "model_type", None)
     family = FAMILIES.get(model_type)
     if family is None:
-        present = [a for a in TRANSFORM_ATTRIBUTES if getattr(config, a, None) not in (None, 1, 1.0)]
+        present = unapplied_transform_attributes(config)
         if present:
             raise ValueError(
                 f"flce-policy does not know how model_type={model_type!r} applies {', '.join(present)} to its "

@@ -31,7 +31,7 @@ from flce_policy.sharded import gathered_zero3
 __all__ = ["apply_flce", "causal_lm_loss", "remove_flce", "FLCE_OUTPUT_FIELDS"]
 
 #: Extra fields an ``apply_flce`` model's output carries when their option is set (TRL reads token_accuracy).
-FLCE_OUTPUT_FIELDS = ("z_loss", "token_accuracy", "predicted_tokens")
+FLCE_OUTPUT_FIELDS = ("z_loss", "token_accuracy", "predicted_tokens", "entropy")
 #: Loss options the causal-LM loss decides itself (HF's semantics): not accepted as options.
 _FIXED_OPTIONS = ("reduction", "ignore_index")
 #: Training wrappers whose ``.module`` is the model (DeepSpeed's engine, DDP): apply_flce patches the model.
@@ -118,8 +118,9 @@ def apply_flce(model: nn.Module, policy: Any = None, **loss_options: Any) -> nn.
     Cohere/Granite logit scales applied) with ``logits=None``: the ``[B, T, V]`` logits are never
     made. Otherwise the original forward runs. ``policy`` and ``loss_options`` (``z_loss_scale``,
     ``use_token_scaling``, ``return_token_accuracy``, ``return_predicted_tokens``, ``accum_dtype``,
-    ...) go to :func:`causal_lm_loss`; returned extras land on the output as ``token_accuracy``,
-    ``z_loss``, ``predicted_tokens``. Applying it again replaces the settings. Returns ``model``.
+    ``return_entropy``, ...) go to :func:`causal_lm_loss`; returned extras land on the output as
+    ``token_accuracy``, ``z_loss``, ``predicted_tokens``, ``entropy``. Applying it again replaces the
+    settings. Returns ``model``.
     """
     base = _unwrap(model)
     for name in _FIXED_OPTIONS + ("softcap", "bias", "class_weight"):
