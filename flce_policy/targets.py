@@ -21,8 +21,12 @@ import torch
 __all__ = ["TargetCheck", "check_target_range", "poisoned_targets", "start_target_check"]
 
 
-def _bad_rows(target: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
-    return ((target < 0) | (target >= vocab)) & (target != ignore_index)
+def _safe_targets(target: torch.Tensor, vocab: int, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The targets with bad rows ignored, and a device int32 flag set to 1 if any row was bad (one launch)."""
+    from flce_policy.kernels.safe_targets import safe_targets_
+
+    flag = torch.zeros(1, dtype=torch.int32, device=target.device)
+    return safe_targets_(target, vocab, ignore_index, flag), flag
 
 
 class TargetCheck:
@@ -31,11 +35,8 @@ class TargetCheck:
     __slots__ = ("_flag", "_ready", "_safe", "_target", "_vocab", "_ignore_index")
 
     def __init__(self, target: torch.Tensor, vocab: int, ignore_index: int) -> None:
-        from flce_policy.kernels.safe_targets import safe_targets_
-
         self._target, self._vocab, self._ignore_index = target, vocab, ignore_index
-        device_flag = torch.zeros(1, dtype=torch.int32, device=target.device)
-        self._safe = safe_targets_(target, vocab, ignore_index, device_flag)
+        self._safe, device_flag = _safe_targets(target, vocab, ignore_index)
         self._ready: torch.cuda.Event | None = None
         if target.is_cuda:
             self._flag, self._ready = _host_flag(target.device)
@@ -53,7 +54,8 @@ class TargetCheck:
         if self._ready is not None:
             self._ready.synchronize()
         if self._flag.item():
-            first = self._target[_bad_rows(self._target, self._vocab, self._ignore_index)][0].item()
+            # the rows the kernel changed are the bad ones (a bad index is never ignore_index)
+            first = self._target[self._safe != self._target][0].item()
             raise ValueError(
                 f"target holds index {first}, outside [0, V={self._vocab}) and not ignore_index={self._ignore_index}"
             )
@@ -89,7 +91,6 @@ def poisoned_targets(target: torch.Tensor, vocab: int, ignore_index: int) -> tup
     The caller adds the poison to the loss and to the gradient scale: a bad call gives NaN, never a
     plausible wrong loss. No host read, so it can be captured.
     """
-    bad = _bad_rows(target, vocab, ignore_index)
+    safe, flag = _safe_targets(target, vocab, ignore_index)
     nan = torch.full((), float("nan"), dtype=torch.float32, device=target.device)  # a fill: capturable
-    poison = torch.where(bad.any(), nan, torch.zeros_like(nan))
-    return target.masked_fill(bad, ignore_index), poison
+    return safe, torch.where(flag.view(()) > 0, nan, torch.zeros_like(nan))

@@ -18,6 +18,7 @@ trl = pytest.importorskip("trl")
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
+from test_hf_integration import assert_same_gradients, rel_err  # noqa: E402  (same TOL, 2e-5)
 from trl.trainer.utils import FusedCausalLMOutput, add_fused_lm_head  # noqa: E402
 
 from flce_policy.integrations.trl import (  # noqa: E402
@@ -74,11 +75,6 @@ def batch(seed: int = 0, ignored: int = 3):
     return ids, labels
 
 
-def rel_err(a: torch.Tensor, e: torch.Tensor) -> float:
-    a, e = a.detach().double(), e.detach().double()
-    return ((a - e).abs().max() / e.abs().max().clamp_min(1e-30)).item()
-
-
 def sft_loss(out, loss_type: str, num_items_in_batch=None, aux_coef: float = 0.0):
     """SFTTrainer.compute_loss's loss from a fused head's output (TRL 1.16, written out)."""
     per_token = -out.log_probs
@@ -112,18 +108,6 @@ def assert_same_fields(got, want):
         assert got.aux_loss is None
     else:
         assert rel_err(got.aux_loss, want.aux_loss) < TOL
-
-
-def assert_same_gradients(ours, ref):
-    named = dict(ours.named_parameters())
-    checked = 0
-    for name, p in ref.named_parameters():
-        if p.grad is None:
-            assert named[name].grad is None or not named[name].grad.any(), name
-            continue
-        assert rel_err(named[name].grad, p.grad) < TOL, f"grad of {name}"
-        checked += 1
-    assert checked >= 10
 
 
 def with_top1_labels(model, ids, labels):
