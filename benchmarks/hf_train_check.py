@@ -6,8 +6,9 @@ A tiny Llama and a tiny Gemma-3 (final_logit_softcapping 30), on one repeated ba
 initial weights: bf16 weights, and fp32 master weights under bf16 autocast. PASS when every
 step's loss is within 1% of HF's (relative). Both are also compared with HF's path on fp32 weights
 without autocast (TF32 off), the trajectory bf16 rounding departs from: a difference to HF that
-comes from HF's own bf16 roundings (Gemma's softcap is applied to bf16 logits there, in fp32 here)
-shows as flce being the closer of the two to it. HF runs on the same batch with its sequences rotated
+comes from HF's own bf16 roundings shows as flce being the closer of the two to it. Gemma's softcap
+is rounded as HF rounds it (apply_flce's default ``softcap_rounding="eager"``); flce with an fp32
+softcap, and HF with one, are run beside it as a diagnostic. HF runs on the same batch with its sequences rotated
 (the same loss in exact arithmetic) measure how far HF's path drifts from itself under rounding
 alone: the floor for the per-step comparison. Writes hf_train_check.json in DIR.
 """
@@ -113,15 +114,24 @@ def main(argv: list[str] | None = None) -> int:
             passed = worst <= TOLERANCE
             softcap_diag = {}
             if CASES[model_type].get("final_logit_softcapping"):
+                # apply_flce rounds the softcap as HF does (softcap_rounding="eager"); how far the fp32
+                # softcap moves each path: flce with softcap_rounding="fp32", HF with an fp32 softcap
+                flce32 = train(
+                    apply_flce(tiny(model_type, dtype), softcap_rounding="fp32"), ids, labels, args.steps, autocast
+                )
                 hf32 = train(with_fp32_softcap(tiny(model_type, dtype)), ids, labels, args.steps, autocast)
                 softcap_diag = {
+                    "flce_fp32_softcap": flce32,
+                    "flce_fp32_softcap_worst_vs_hf": _worst(flce32, hf),
+                    "flce_fp32_softcap_worst_vs_fp32": _worst(flce32, fp32),
                     "hf_fp32_softcap": hf32,
-                    "flce_worst_vs_hf_fp32_softcap": _worst(ours, hf32),
+                    "flce_fp32_softcap_worst_vs_hf_fp32_softcap": _worst(flce32, hf32),
                     "hf_worst_vs_hf_fp32_softcap": _worst(hf, hf32),
                 }
                 print(
-                    f"  diagnostic {model_type} {weights}: HF with an fp32 softcap vs flce {_worst(ours, hf32):.2e}, "
-                    f"vs HF's own {_worst(hf, hf32):.2e}",
+                    f"  diagnostic {model_type} {weights}: flce with softcap_rounding='fp32' vs HF "
+                    f"{_worst(flce32, hf):.2e} (vs the fp32 run {_worst(flce32, fp32):.2e}); HF with an fp32 "
+                    f"softcap vs that flce {_worst(flce32, hf32):.2e}, vs HF's own {_worst(hf, hf32):.2e}",
                     flush=True,
                 )
             ok &= passed

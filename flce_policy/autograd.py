@@ -37,6 +37,7 @@ def _ce_params(options: LossOptions) -> CEParams:
         ignore_index=options.ignore_index,
         label_smoothing=float(options.label_smoothing),
         softcap=None if options.softcap is None else float(options.softcap),
+        round_softcap=options.softcap_rounding == "eager",
         z_loss_scale=float(options.z_loss_scale),
         track_argmax=options.return_token_accuracy or options.return_predicted_tokens,
         token_scaling=options.use_token_scaling,

@@ -127,6 +127,7 @@ _SCALARS = (
     "ignore_index",
     "label_smoothing",
     "softcap",
+    "softcap_rounding",
     "z_loss_scale",
     "token_accuracy",
     "predicted_tokens",
@@ -145,6 +146,7 @@ def _options(
     ignore_index: int,
     label_smoothing: float,
     softcap: float | None,
+    softcap_rounding: str,
     z_loss_scale: float,
     token_accuracy: bool,
     predicted_tokens: bool,
@@ -157,6 +159,7 @@ def _options(
         reduction=reduction,  # type: ignore[arg-type]
         label_smoothing=label_smoothing,
         softcap=softcap,
+        softcap_rounding=softcap_rounding,  # type: ignore[arg-type]
         z_loss_scale=z_loss_scale,
         return_token_accuracy=token_accuracy,
         return_predicted_tokens=predicted_tokens,
@@ -181,6 +184,7 @@ def _loss_op(
     ignore_index: int,
     label_smoothing: float,
     softcap: float | None,
+    softcap_rounding: str,
     z_loss_scale: float,
     token_accuracy: bool,
     predicted_tokens: bool,
@@ -196,8 +200,8 @@ def _loss_op(
 ]:
     """``(loss, z_loss, accuracy, predicted, grad_input, grad_weight, grad_bias, entropy)``; unwanted ones are empty."""
     options = _options(
-        reduction, ignore_index, label_smoothing, softcap, z_loss_scale, token_accuracy, predicted_tokens,
-        token_scaling, accum_dtype, entropy,
+        reduction, ignore_index, label_smoothing, softcap, softcap_rounding, z_loss_scale, token_accuracy,
+        predicted_tokens, token_scaling, accum_dtype, entropy,
     )  # fmt: skip
     target, poison, target_check = _checked_targets(target, weight.shape[0], ignore_index)
     geometry, fallback, options, want = _plan(
@@ -227,8 +231,8 @@ def _loss_op(
 
 @_loss_op.register_fake
 def _(x, weight, bias, target, class_weight, policy_key, rows, vocab_chunk, accum, reduction, ignore_index,
-      label_smoothing, softcap, z_loss_scale, token_accuracy, predicted_tokens, token_scaling, accum_dtype,
-      compute_dtype, want_input, want_weight, want_bias, entropy=False):  # fmt: skip
+      label_smoothing, softcap, softcap_rounding, z_loss_scale, token_accuracy, predicted_tokens, token_scaling,
+      accum_dtype, compute_dtype, want_input, want_weight, want_bias, entropy=False):  # fmt: skip
     f32, device = torch.float32, x.device
     loss_shape = (x.shape[0],) if reduction == "none" else ()
     in_forward = reduction != "none"
@@ -259,6 +263,7 @@ def _recompute_op(
     ignore_index: int,
     label_smoothing: float,
     softcap: float | None,
+    softcap_rounding: str,
     z_loss_scale: float,
     token_scaling: bool,
     accum_dtype: torch.dtype | None,
@@ -269,8 +274,9 @@ def _recompute_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reduction none's backward: ``(grad_input, grad_weight, grad_bias)``, recomputed; unwanted ones are empty."""
     options = _options(
-        "none", ignore_index, label_smoothing, softcap, z_loss_scale, False, False, token_scaling, accum_dtype
-    )
+        "none", ignore_index, label_smoothing, softcap, softcap_rounding, z_loss_scale, False, False, token_scaling,
+        accum_dtype,
+    )  # fmt: skip
     if target.numel() and not _host_sync_allowed(target.device):
         target, _ = poisoned_targets(target, weight.shape[0], ignore_index)  # the forward's loss is NaN already
     geometry, fallback, options, want = _plan(
@@ -292,8 +298,8 @@ def _recompute_op(
 
 @_recompute_op.register_fake
 def _(x, weight, bias, target, class_weight, grad_loss, policy_key, rows, vocab_chunk, accum, ignore_index,
-      label_smoothing, softcap, z_loss_scale, token_scaling, accum_dtype, compute_dtype, want_input, want_weight,
-      want_bias):  # fmt: skip
+      label_smoothing, softcap, softcap_rounding, z_loss_scale, token_scaling, accum_dtype, compute_dtype, want_input,
+      want_weight, want_bias):  # fmt: skip
     return (
         torch.empty_like(x) if want_input else _empty(x.device, x.dtype),
         torch.empty_like(weight) if want_weight else _empty(x.device, weight.dtype),
@@ -391,6 +397,7 @@ def compiled_loss(
         options.ignore_index,
         float(options.label_smoothing),
         None if options.softcap is None else float(options.softcap),
+        options.softcap_rounding,
         float(options.z_loss_scale),
         options.return_token_accuracy,
         options.return_predicted_tokens,

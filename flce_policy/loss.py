@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from flce_policy.geometry import Geometry
-from flce_policy.options import LossOptions, Reduction
+from flce_policy.options import LossOptions, Reduction, SoftcapRounding
 from flce_policy.problem import Problem
 from flce_policy.sharded import check_unsharded, is_dtensor
 from flce_policy.targets import TargetCheck, start_target_check
@@ -69,6 +69,7 @@ def fused_linear_cross_entropy(
     tp_group: Any = None,
     tp_grad_input: GradInputMode = "full",
     return_entropy: bool = False,
+    softcap_rounding: SoftcapRounding = "fp32",
 ) -> torch.Tensor | FLCEOutput:
     """``cross_entropy(input @ weight.T + bias, target)`` without materialising the logits.
 
@@ -85,6 +86,11 @@ def fused_linear_cross_entropy(
             A slab that runs out of memory is retried at half the rows (``OOMFallbackWarning``);
             a policy sets the floor, may switch it off, and remembers the size that completed.
         softcap: logits become ``softcap * tanh(logits / softcap)`` before the loss.
+        softcap_rounding: ``"fp32"`` (default) computes the softcap and its gradient in fp32 on the
+            logits; ``"eager"`` rounds each of its three ops (``/ softcap``, ``tanh``, ``* softcap``) and
+            each of their gradients to the logits' dtype, as eager PyTorch computes them on bf16/fp16
+            logits (HF's Gemma forward): the same numbers as that path, less precise than fp32. No
+            effect on fp32 logits or without ``softcap``.
         z_loss_scale: adds ``z_loss_scale * logsumexp(logits)**2`` per non-ignored token, averaged
             over the non-ignored tokens for ``mean`` (not class-weighted).
         class_weight: ``[V]`` per-class weights as ``F.cross_entropy``'s ``weight``.
@@ -121,6 +127,7 @@ def fused_linear_cross_entropy(
         reduction=reduction,
         label_smoothing=label_smoothing,
         softcap=softcap,
+        softcap_rounding=softcap_rounding,
         z_loss_scale=z_loss_scale,
         return_z_loss=return_z_loss,
         return_token_accuracy=return_token_accuracy,

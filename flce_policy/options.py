@@ -12,10 +12,12 @@ import torch
 if TYPE_CHECKING:
     from flce_policy.geometry import Geometry
 
-__all__ = ["LossOptions", "Reduction"]
+__all__ = ["LossOptions", "Reduction", "SoftcapRounding"]
 
 Reduction = Literal["mean", "sum", "none"]
 _REDUCTIONS = ("mean", "sum", "none")
+SoftcapRounding = Literal["fp32", "eager"]
+_SOFTCAP_ROUNDINGS = ("fp32", "eager")
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,7 @@ class LossOptions:
     reduction: Reduction = "mean"
     label_smoothing: float = 0.0
     softcap: float | None = None
+    softcap_rounding: SoftcapRounding = "fp32"
     z_loss_scale: float = 0.0
     return_z_loss: bool = False
     return_token_accuracy: bool = False
@@ -46,6 +49,10 @@ class LossOptions:
             raise ValueError(f"label_smoothing must be in [0, 1], got {self.label_smoothing!r}")
         if self.softcap is not None and (not _is_real(self.softcap) or not self.softcap > 0):
             raise ValueError(f"softcap must be a positive finite number or None, got {self.softcap!r}")
+        if self.softcap_rounding not in _SOFTCAP_ROUNDINGS:
+            raise ValueError(
+                f"softcap_rounding must be one of {', '.join(_SOFTCAP_ROUNDINGS)}; got {self.softcap_rounding!r}"
+            )
         if not _is_real(self.z_loss_scale) or self.z_loss_scale < 0:
             raise ValueError(f"z_loss_scale must be a finite number >= 0, got {self.z_loss_scale!r}")
         for name in (

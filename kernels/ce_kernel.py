@@ -91,15 +91,49 @@ def ce_workspace(rows: int, tile_cols: int, device: torch.device, *, entropy: bo
 
 @triton.jit
 def _tanh(x):
-    # tanh(x) = 2 * sigmoid(2x) - 1: portable across Triton versions, exact limits at +-inf.
-    return 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
+    # tanh(x) = 2 * sigmoid(2x) - 1: portable across Triton versions (and the interpreter), exact
+    # limits at +-inf. Near 0 that form cancels (1e-5 relative at x = 0.01): the odd series instead,
+    # whose first omitted term is below 3e-10 relative for |x| < 1/8.
+    x2 = x * x
+    series = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
+    return tl.where(tl.abs(x) < 0.125, series, 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0)
 
 
 @triton.jit
-def _load_z(row_ptr, offs, mask, softcap, HAS_SOFTCAP: tl.constexpr):
+def _rounded(value, dtype: tl.constexpr):
+    """fp32 ``value`` rounded to ``dtype`` (to nearest, ties to even) and back to fp32."""
+    if dtype == tl.bfloat16:
+        # By hand: the Triton interpreter truncates fp32 -> bf16 casts (the GPU rounds to nearest even).
+        bits = value.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return value.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _softcap_zt(x, softcap, dtype: tl.constexpr, ROUND_SOFTCAP: tl.constexpr):
+    """``(z, t)``: ``z = softcap * t``, ``t = tanh(x / softcap)``, for fp32 ``x``.
+
+    With ``ROUND_SOFTCAP`` each op is rounded to ``dtype`` as eager PyTorch rounds
+    ``softcap * tanh(logits / softcap)`` on ``dtype`` logits (the division by a Python scalar is a
+    multiplication by its fp32 reciprocal on CUDA); else all in fp32. The finish kernel rounds the
+    backward of those ops the same way (CUDA's ``tanh_backward`` also rounds inside ``1 - t * t``).
+    """
+    if ROUND_SOFTCAP:
+        t = _rounded(_tanh(_rounded(x * (1.0 / softcap), dtype)), dtype)
+        z = _rounded(t * softcap, dtype)
+    else:
+        t = _tanh(x / softcap)
+        z = softcap * t
+    return z, t
+
+
+@triton.jit
+def _load_z(row_ptr, offs, mask, softcap, HAS_SOFTCAP: tl.constexpr, ROUND_SOFTCAP: tl.constexpr):
     z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
-        z = softcap * _tanh(z / softcap)
+        z, _ = _softcap_zt(z, softcap, row_ptr.dtype.element_ty, ROUND_SOFTCAP)
     return z
 
 
@@ -120,6 +154,7 @@ def _ce_partial_kernel(
     HAS_WEIGHT: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    ROUND_SOFTCAP: tl.constexpr,
     TRACK_ARGMAX: tl.constexpr,
     NUM_SLOTS: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -146,7 +181,7 @@ def _ce_partial_kernel(
         for start in range(col_start, col_stop, BLOCK_V):
             offs = start + cols
             mask = offs < col_stop
-            z = _load_z(row_ptr, offs, mask, softcap, HAS_SOFTCAP)
+            z = _load_z(row_ptr, offs, mask, softcap, HAS_SOFTCAP, ROUND_SOFTCAP)
             if HAS_SMOOTHING:
                 # masked lanes hold 0 here (softcap(0) == 0), so they add nothing to the sums
                 if HAS_WEIGHT:
@@ -193,7 +228,7 @@ def _ce_partial_kernel(
         if (local_target >= col_start) & (local_target < col_stop):
             # Read the target logit now: the finish kernel overwrites the slab with gradients,
             # and another segment's program may get there before the row's loss is written.
-            z_y = _load_z(row_ptr, local_target, True, softcap, HAS_SOFTCAP)
+            z_y = _load_z(row_ptr, local_target, True, softcap, HAS_SOFTCAP, ROUND_SOFTCAP)
             tl.store(partials_ptr + 5 * plane + row * NUM_SLOTS, z_y)
         tl.store(partials_ptr + slot, m)
         tl.store(partials_ptr + plane + slot, d)
@@ -230,6 +265,8 @@ def _ce_finish_kernel(
     HAS_WEIGHT: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    ROUND_SOFTCAP: tl.constexpr,
+    TANH_GRAD_PER_OP: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
     TRACK_ARGMAX: tl.constexpr,
     TOKEN_SCALING: tl.constexpr,
@@ -323,7 +360,9 @@ def _ce_finish_kernel(
             for start in range(col_start, col_stop, BLOCK_V):
                 offs = start + cols
                 mask = offs < col_stop
-                z = _load_z(row_ptr, offs, mask, softcap, HAS_SOFTCAP)
+                z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                if HAS_SOFTCAP:
+                    z, t = _softcap_zt(z, softcap, row_ptr.dtype.element_ty, ROUND_SOFTCAP)
                 grad = coef_p * tl.exp(z - lse)
                 grad = tl.where(offs == local_target, grad - coef_y, grad)
                 if HAS_SMOOTHING:
@@ -333,16 +372,37 @@ def _ce_finish_kernel(
                     else:
                         grad -= scale_ce * eps_over_v
                 if HAS_SOFTCAP:
-                    t = z / softcap
-                    grad = grad * (1.0 - t * t)
+                    if ROUND_SOFTCAP:
+                        # eager autograd's backward of the three ops, each result rounded: the fp32
+                        # gradient cast to the logits' dtype, times softcap, tanh's backward on the
+                        # rounded t, times 1/softcap
+                        dtype = row_ptr.dtype.element_ty
+                        if TANH_GRAD_PER_OP:  # CUDA's tanh_backward: a * (1 - b * b) in the dtype, op by op
+                            dtanh = _rounded(1.0 - _rounded(t * t, dtype), dtype)
+                        else:  # the CPU's: in fp32
+                            dtanh = 1.0 - t * t
+                        grad = _rounded(_rounded(_rounded(grad, dtype) * softcap, dtype) * dtanh, dtype)
+                        grad = _rounded(grad * (1.0 / softcap), dtype)
+                    else:
+                        grad = grad * (1.0 - t * t)
                 tl.store(row_ptr + offs, grad.to(row_ptr.dtype.element_ty), mask=mask)
 
 
-def _flags(ws: CEWorkspace, class_weight, label_smoothing, softcap, track_argmax: bool) -> dict:
+def _flags(
+    ws: CEWorkspace,
+    logits: torch.Tensor,
+    class_weight,
+    label_smoothing,
+    softcap,
+    round_softcap: bool,
+    track_argmax: bool,
+) -> dict:
     return dict(
         HAS_WEIGHT=class_weight is not None,
         HAS_SMOOTHING=label_smoothing > 0.0,
         HAS_SOFTCAP=softcap is not None,
+        # fp32 logits: nothing to round, and the fp32 formulas are the same computation
+        ROUND_SOFTCAP=softcap is not None and round_softcap and logits.dtype != torch.float32,
         TRACK_ARGMAX=track_argmax,
         NUM_SLOTS=ws.slots,
         BLOCK_V=ws.block_v,
@@ -360,6 +420,7 @@ def ce_partial(
     first_tile: bool = True,
     label_smoothing: float = 0.0,
     softcap: float | None = None,
+    round_softcap: bool = False,
     class_weight: torch.Tensor | None = None,
     track_argmax: bool = False,
     entropy: bool = False,
@@ -371,7 +432,7 @@ def ce_partial(
     """
     n_rows, n_cols = logits.shape
     ws = workspace
-    flags = _flags(ws, class_weight, label_smoothing, softcap, track_argmax)
+    flags = _flags(ws, logits, class_weight, label_smoothing, softcap, round_softcap, track_argmax)
     _ce_partial_kernel[(n_rows, ws.segments_per_tile)](
         logits,
         logits.stride(0),
@@ -403,6 +464,7 @@ def ce_finish(
     write_loss: bool = True,
     label_smoothing: float = 0.0,
     softcap: float | None = None,
+    round_softcap: bool = False,
     z_loss_scale: float = 0.0,
     class_weight: torch.Tensor | None = None,
     z_loss_rows: torch.Tensor | None = None,
@@ -448,7 +510,9 @@ def ce_finish(
         TOKEN_SCALING=token_scaling,
         entropy_ptr=entropy_rows,
         ENTROPY=entropy_rows is not None,
-        **_flags(ws, class_weight, label_smoothing, softcap, argmax_rows is not None),
+        # eager PyTorch's tanh backward rounds each op on CUDA, not on the CPU (the interpreter's tests)
+        TANH_GRAD_PER_OP=logits.is_cuda,
+        **_flags(ws, logits, class_weight, label_smoothing, softcap, round_softcap, argmax_rows is not None),
     )
 
 
@@ -461,6 +525,7 @@ def ce_rows(
     ignore_index: int,
     label_smoothing: float = 0.0,
     softcap: float | None = None,
+    round_softcap: bool = False,
     z_loss_scale: float = 0.0,
     class_weight: torch.Tensor | None = None,
     z_loss_rows: torch.Tensor | None = None,
@@ -475,7 +540,8 @@ def ce_rows(
 
     The row-only case: one tile spanning V. ``grad_scale`` (fp32, on the device) is
     ``[scale_ce, scale_z]`` or, with ``scale_per_row``, one scale per row: reading it in the kernel
-    keeps the mean's denominator off the host. ``z_loss_rows`` receives ``z_loss_scale * lse**2``,
+    keeps the mean's denominator off the host. ``round_softcap`` rounds each softcap op (and its
+    gradient) to the logits' dtype, as eager PyTorch does. ``z_loss_rows`` receives ``z_loss_scale * lse**2``,
     ``argmax_rows`` (int64) each row's argmax class (-1 where ignored), ``entropy_rows`` (fp32) each row's
     entropy of ``softmax(z)`` (0 where ignored; needs an ``entropy=True`` workspace). ``token_scaling`` multiplies
     each row's loss and gradient by its detached ``p_target``. Nothing is checked here: the driver
@@ -484,7 +550,11 @@ def ce_rows(
     ``class_weight`` is the whole vocabulary's.
     """
     shared = dict(
-        ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap, class_weight=class_weight
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        softcap=softcap,
+        round_softcap=round_softcap,
+        class_weight=class_weight,
     )
     col_offset = 0 if shard is None else shard.start
     track_argmax = argmax_rows is not None

@@ -42,6 +42,8 @@ class CEParams:
     ignore_index: int = -100
     label_smoothing: float = 0.0
     softcap: float | None = None
+    #: Each softcap op and its gradient rounded to the logits' dtype, as eager PyTorch computes them.
+    round_softcap: bool = False
     z_loss_scale: float = 0.0
     track_argmax: bool = False
     token_scaling: bool = False  # each row's loss and gradient times its detached p_target
@@ -240,6 +242,7 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
             ignore_index=params.ignore_index,
             label_smoothing=params.label_smoothing,
             softcap=params.softcap,
+            round_softcap=params.round_softcap,
             z_loss_scale=params.z_loss_scale,
             class_weight=class_weight,
             z_loss_rows=None if z_loss_rows is None else z_loss_rows[start:stop],

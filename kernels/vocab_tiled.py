@@ -78,6 +78,7 @@ class _TiledRun:
             ignore_index=params.ignore_index,
             label_smoothing=params.label_smoothing,
             softcap=params.softcap,
+            round_softcap=params.round_softcap,
             class_weight=class_weight,
         )
         self.last_tile: torch.Tensor | None = None

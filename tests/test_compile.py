@@ -271,7 +271,8 @@ def test_oom_fallback_runs_inside_the_op_and_is_remembered():
 def _op_args(t, reduction, predicted, compute_dtype, wants, ignore_index=-100):
     return (
         t["x"], t["w"], t.get("b"), t["y"], None,
-        0, 0, 0, "", reduction, ignore_index, 0.0, None, 0.0, True, predicted, False, None, compute_dtype, *wants,
+        0, 0, 0, "", reduction, ignore_index, 0.0, None, "fp32", 0.0, True, predicted, False, None, compute_dtype,
+        *wants,
     )  # fmt: skip
 
 

@@ -224,6 +224,33 @@ def test_autocast_fp32_master_weights():
     assert rel_err(head, ref.lm_head.weight.grad) < 5e-2
 
 
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
+def test_bf16_softcap_is_rounded_as_hf_rounds_it(model_type):
+    # HF softcaps bf16 logits op by op; apply_flce rounds the same way unless told fp32.
+    torch.manual_seed(3)
+    config = tiny_config(model_type, final_logit_softcapping=2.0)  # low: logits of a few units are bent
+    ref = transformers.AutoModelForCausalLM.from_config(config).to(DEVICE, torch.bfloat16).train()
+    with torch.no_grad():
+        ref.lm_head.weight.mul_(8.0)  # tied to the embedding in both families; logits of several units
+    ids, labels = batch(3)
+    expected = ref(input_ids=ids, labels=labels)
+    expected.loss.backward()
+
+    def step(**options):
+        patched = apply_flce(copy.deepcopy(ref), **options)
+        patched.zero_grad()
+        out = patched(input_ids=ids, labels=labels)
+        out.loss.backward()
+        return out.loss, patched.lm_head.weight.grad, patched.model.layers[-1].mlp.down_proj.weight.grad
+
+    hf = (expected.loss, ref.lm_head.weight.grad, ref.model.layers[-1].mlp.down_proj.weight.grad)
+    rounded = [rel_err(a, b) for a, b in zip(step(), hf, strict=True)]
+    fp32 = [rel_err(a, b) for a, b in zip(step(softcap_rounding="fp32"), hf, strict=True)]
+    assert rounded[0] < 1e-5, (rounded, fp32)  # loss: HF's own numbers
+    assert max(rounded[1:]) < 2e-2, (rounded, fp32)  # gradients: a bf16 last-bit flip here and there
+    assert fp32[0] > 10 * max(rounded[0], 1e-7) and min(fp32[1:]) > max(rounded[1:]), (rounded, fp32)
+
 def test_generic_family_and_clear_refusals():
     # An unlisted model_type with HF's standard forward shape goes through the generic path.
     ref, patched = model_pair("llama", seed=8)

@@ -116,7 +116,9 @@ def apply_flce(model: nn.Module, policy: Any = None, **loss_options: Any) -> nn.
     In ``train()`` mode with ``labels`` or ``shift_labels``, the forward returns HF's loss
     (``num_items_in_batch`` honoured, MoE router loss added as HF does, Gemma's softcap and
     Cohere/Granite logit scales applied) with ``logits=None``: the ``[B, T, V]`` logits are never
-    made. Otherwise the original forward runs. ``policy`` and ``loss_options`` (``z_loss_scale``,
+    made. Otherwise the original forward runs. A softcap is rounded as HF's forward rounds it
+    (``softcap_rounding="eager"``: each op in the logits' dtype) unless ``softcap_rounding="fp32"``
+    is passed. ``policy`` and ``loss_options`` (``z_loss_scale``,
     ``use_token_scaling``, ``return_token_accuracy``, ``return_predicted_tokens``, ``accum_dtype``,
     ``return_entropy``, ...) go to :func:`causal_lm_loss`; returned extras land on the output as
     ``token_accuracy``, ``z_loss``, ``predicted_tokens``, ``entropy``. Applying it again replaces the
@@ -129,6 +131,9 @@ def apply_flce(model: nn.Module, policy: Any = None, **loss_options: Any) -> nn.
             raise TypeError(f"apply_flce takes no {name!r}: it follows the model ({source})")
     LossOptions(**loss_options)  # bad option names or values fail here, not at the first step
     transform = logit_transform(base.config)
+    if transform.softcap is not None:
+        # HF's forward softcaps the logits op by op in their dtype: the same roundings, the same losses
+        loss_options = {"softcap_rounding": "eager", **loss_options}
     _output_embeddings(base)  # a model without an lm_head fails now
     previous = getattr(base, "_flce_patch", None)
     original = previous.original_forward if previous is not None else base.forward
