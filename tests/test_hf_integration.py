@@ -224,7 +224,6 @@ def test_autocast_fp32_master_weights():
     assert rel_err(head, ref.lm_head.weight.grad) < 5e-2
 
 
-
 @pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
 def test_bf16_softcap_is_rounded_as_hf_rounds_it(model_type):
     # HF softcaps bf16 logits op by op; apply_flce rounds the same way unless told fp32.
@@ -250,6 +249,7 @@ def test_bf16_softcap_is_rounded_as_hf_rounds_it(model_type):
     assert rounded[0] < 1e-5, (rounded, fp32)  # loss: HF's own numbers
     assert max(rounded[1:]) < 2e-2, (rounded, fp32)  # gradients: a bf16 last-bit flip here and there
     assert fp32[0] > 10 * max(rounded[0], 1e-7) and min(fp32[1:]) > max(rounded[1:]), (rounded, fp32)
+
 
 def test_generic_family_and_clear_refusals():
     # An unlisted model_type with HF's standard forward shape goes through the generic path.
