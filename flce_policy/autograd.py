@@ -23,6 +23,7 @@ import torch
 
 from flce_policy.geometry import Geometry
 from flce_policy.kernels.driver import CEParams, DriverOutputs, GradRequest
+from flce_policy.kernels.loss_total import loss_totals
 from flce_policy.kernels.resilient import run_with_oom_fallback
 from flce_policy.kernels.scale import scale_unless_one_
 from flce_policy.oom import DEFAULT_OOM_FALLBACK, OOMFallback
@@ -55,23 +56,6 @@ def _operands(
     return x.to(compute_dtype), weight.to(compute_dtype), None if bias is None else bias.to(compute_dtype)
 
 
-def _denominators(target: torch.Tensor, class_weight: torch.Tensor | None, ignore_index: int) -> torch.Tensor:
-    """``[sum of w_y, count]`` over non-ignored tokens.
-
-    The CE mean divides by the class weight mass of the non-ignored targets (as torch does), the
-    z-loss and accuracy by their count. Both stay on the device; an all-ignored batch divides a
-    zero sum by a clamped denominator, giving 0 instead of torch's NaN.
-    """
-    valid = target != ignore_index
-    count = valid.sum(dtype=torch.float32)
-    if class_weight is None:
-        mass = count
-    else:
-        # ignored rows index class 0 instead of ignore_index, which may lie outside [0, V)
-        mass = torch.where(valid, class_weight[torch.where(valid, target, 0)], 0.0).sum()
-    return torch.stack([mass, count])
-
-
 class FLCEFunction(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -86,7 +70,7 @@ class FLCEFunction(torch.autograd.Function):
         grad_enabled: bool,
         fallback: OOMFallback | None = DEFAULT_OOM_FALLBACK,
         compute_dtype: torch.dtype | None = None,
-        target_check: TargetCheck | None = None,
+        targets: TargetCheck | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         # needs_input_grad ignores torch.no_grad(): the caller's grad mode is passed in.
         want = GradRequest(
@@ -98,7 +82,7 @@ class FLCEFunction(torch.autograd.Function):
         )
         ctx.compute_dtype = compute_dtype
         with _autocast_off(x.device.type):
-            return _forward(ctx, x, weight, bias, target, class_weight, geometry, options, want, fallback, target_check)
+            return _forward(ctx, x, weight, bias, target, class_weight, geometry, options, want, fallback, targets)
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
@@ -145,15 +129,15 @@ def _forward(
     options: LossOptions,
     want: GradRequest,
     fallback: OOMFallback | None,
-    target_check: TargetCheck | None,
+    targets: TargetCheck | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    if targets is None:  # a caller that started none: the check (and the safe targets) made here
+        targets = TargetCheck(target, weight.shape[0], options.ignore_index, class_weight, options.reduction == "mean")
+        target = targets.safe_target()
     if options.reduction == "none":
         # the caller's tensors: backward casts again rather than holding a copy between the passes
         ctx.save_for_backward(x, weight, bias, target, class_weight)
-    result = forward_pass(
-        x, weight, bias, target, class_weight, geometry, options, want, fallback, ctx.compute_dtype,
-        target_check=target_check,
-    )  # fmt: skip
+    result = forward_pass(x, weight, bias, targets, class_weight, geometry, options, want, fallback, ctx.compute_dtype)
     extras = (result.z_loss, result.accuracy, result.predicted, result.entropy)
     ctx.mark_non_differentiable(*(t for t in extras if t is not None))
     # The geometry that completed: reduction none's backward starts from it, not from the one asked for.
@@ -169,35 +153,30 @@ def forward_pass(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    target: torch.Tensor,
+    targets: TargetCheck,
     class_weight: torch.Tensor | None,
     geometry: Geometry | None,
     options: LossOptions,
     want: GradRequest,
     fallback: OOMFallback | None,
     compute_dtype: torch.dtype | None,
-    poison: torch.Tensor | None = None,
-    target_check: TargetCheck | None = None,
 ) -> ForwardResult:
     """The loss (and for mean/sum the gradients) of one call, on the caller's tensors.
 
-    ``target_check`` (started by the caller, ``target`` being its safe targets) is finished once
-    the chunks are queued: a bad target raises ValueError then, with no GPU idle time before it.
-    ``poison`` (a 0-dim fp32 tensor, 0 or NaN) is added to the loss and to the gradient scale:
-    the custom op's device-side answer to out-of-range targets where no host sync is allowed.
+    ``targets`` (started by the caller with this call's class weights and reduction) gives the safe
+    targets the kernels run on, the denominators and the gradient scales; it is finished once the
+    chunks are queued: a bad target raises ValueError then, with no GPU idle time before it. Its
+    ``poison`` (CUDA-graph capture: 0, or NaN after a bad target) is added to the loss and to the
+    gradient scale, where no host sync is allowed.
     """
     caller_dtypes = (x.dtype, None if bias is None else bias.dtype)
     x, weight, bias = _operands(x, weight, bias, compute_dtype)
     params = _ce_params(options)
-    denominators = _denominators(target, class_weight, options.ignore_index)
-    # Only an empty denominator is replaced (a class-weight mass may legitimately be < 1).
-    safe_denominators = torch.where(denominators > 0, denominators, torch.ones_like(denominators))
+    target, poison = targets.safe_target(), targets.poison
     in_forward = want if options.reduction != "none" else GradRequest()
     grad_scale = None
     if in_forward.any:
-        grad_scale = safe_denominators.reciprocal() if options.reduction == "mean" else torch.ones_like(denominators)
-        if poison is not None:
-            grad_scale = grad_scale + poison  # NaN gradients, not silently plausible ones
+        grad_scale = targets.grad_scale if poison is None else targets.grad_scale + poison  # NaN gradients
 
     if geometry is None:  # empty input: no rows, nothing to run
         out = _empty_outputs(x, weight, bias, in_forward, params)
@@ -214,26 +193,21 @@ def forward_pass(
             class_weight=class_weight,
             grad_scale=grad_scale,
         )
-    if target_check is not None:
-        target_check.finish()
+    targets.finish()
 
-    z_rows = out.z_loss_rows if out.z_loss_rows is not None else torch.zeros_like(out.loss_rows)
+    argmax_rows = out.argmax_rows if options.return_token_accuracy else None
     if options.reduction == "none":
-        loss = out.loss_rows + z_rows
-        z_loss = z_rows
-    elif options.reduction == "sum":
-        z_loss = z_rows.sum()
-        loss = out.loss_rows.sum() + z_loss
+        z_loss = out.z_loss_rows if out.z_loss_rows is not None else torch.zeros_like(out.loss_rows)
+        loss = out.loss_rows if out.z_loss_rows is None else out.loss_rows + z_loss
+        # the accuracy (a scalar) from the same kernel as mean/sum's, its loss discarded
+        accuracy = loss_totals(loss, None, argmax_rows, target, targets.meta, options.ignore_index, False)[2]
     else:
-        z_loss = z_rows.sum() / safe_denominators[1]
-        loss = out.loss_rows.sum() / safe_denominators[0] + z_loss
+        loss, z_loss, accuracy = loss_totals(
+            out.loss_rows, out.z_loss_rows, argmax_rows, target, targets.meta, options.ignore_index,
+            options.reduction == "mean",
+        )  # fmt: skip
     if poison is not None:
         loss = loss + poison
-    if options.return_token_accuracy:
-        correct = (out.argmax_rows == target) & (target != options.ignore_index)
-        accuracy = correct.sum(dtype=torch.float32) / safe_denominators[1]
-    else:
-        accuracy = torch.zeros((), dtype=torch.float32, device=x.device)
     predicted = out.argmax_rows if options.return_predicted_tokens else None
     grads = _in_caller_dtypes(caller_dtypes, out) if options.reduction != "none" else (None, None, None)
     return ForwardResult(loss, z_loss, accuracy, predicted, grads, geometry, out.entropy_rows)
@@ -323,13 +297,15 @@ def recompute_grads(
 def _empty_outputs(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, want: GradRequest, params: CEParams
 ) -> DriverOutputs:
-    empty = torch.zeros(0, dtype=torch.float32, device=x.device)
+    def empty() -> torch.Tensor:  # one per output: a shared one would make the loss an alias of an extra
+        return torch.zeros(0, dtype=torch.float32, device=x.device)
+
     return DriverOutputs(
-        empty,
+        empty(),
         None,
         torch.zeros(0, dtype=torch.int64, device=x.device) if params.track_argmax else None,
         torch.zeros_like(x) if want.input else None,
         torch.zeros_like(weight, dtype=want.weight_dtype) if want.weight else None,
         torch.zeros_like(bias) if want.bias and bias is not None else None,
-        empty if params.entropy else None,
+        empty() if params.entropy else None,
     )

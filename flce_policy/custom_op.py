@@ -47,7 +47,7 @@ from flce_policy.kernels.scale import scale_unless_one_
 from flce_policy.options import LossOptions
 from flce_policy.policy_keys import DEFAULT_POLICY_KEY, live_policy, policy_key
 from flce_policy.problem import Problem
-from flce_policy.targets import TargetCheck, poisoned_targets, start_target_check
+from flce_policy.targets import TargetCheck, poisoned_targets
 
 __all__ = ["compiled_loss"]
 
@@ -97,20 +97,15 @@ def _host_sync_allowed(device: torch.device) -> bool:
 
 
 def _checked_targets(
-    target: torch.Tensor, vocab: int, ignore_index: int
-) -> tuple[torch.Tensor, torch.Tensor | None, TargetCheck | None]:
-    """The targets to run, the poison to add and the check to finish (flce_policy/targets.py).
+    target: torch.Tensor, vocab: int, ignore_index: int, class_weight: torch.Tensor | None, mean: bool
+) -> TargetCheck:
+    """The call's targets (flce_policy/targets.py).
 
     Outside CUDA-graph capture: the eager path's check, a ValueError once the call's work is queued.
     While capturing (no host read allowed): bad rows run as ignored and the poison makes the loss NaN.
     """
-    if not target.numel():
-        return target, None, None
-    if _host_sync_allowed(target.device):
-        target, check = start_target_check(target, vocab, ignore_index)
-        return target, None, check
-    target, poison = poisoned_targets(target, vocab, ignore_index)
-    return target, poison, None
+    host_check = not target.numel() or _host_sync_allowed(target.device)
+    return TargetCheck(target, vocab, ignore_index, class_weight, mean, host_check=host_check)
 
 
 def _empty(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -203,7 +198,7 @@ def _loss_op(
         reduction, ignore_index, label_smoothing, softcap, softcap_rounding, z_loss_scale, token_accuracy,
         predicted_tokens, token_scaling, accum_dtype, entropy,
     )  # fmt: skip
-    target, poison, target_check = _checked_targets(target, weight.shape[0], ignore_index)
+    targets = _checked_targets(target, weight.shape[0], ignore_index, class_weight, reduction == "mean")
     geometry, fallback, options, want = _plan(
         x,
         weight,
@@ -214,13 +209,8 @@ def _loss_op(
         (want_input, want_weight, want_bias),
     )
     with torch.autocast(x.device.type, enabled=False):
-        result = forward_pass(
-            x, weight, bias, target, class_weight, geometry, options, want, fallback, compute_dtype, poison,
-            target_check,
-        )  # fmt: skip
+        result = forward_pass(x, weight, bias, targets, class_weight, geometry, options, want, fallback, compute_dtype)
     device = x.device
-    if reduction == "none" and poison is not None:
-        result = result._replace(loss=result.loss + poison)  # the rows of a bad call are NaN too
     grads = tuple(
         g if g is not None else _empty(device, t.dtype) for g, t in zip(result.grads, (x, weight, x), strict=True)
     )

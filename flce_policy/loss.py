@@ -198,11 +198,11 @@ def _vocab_parallel_loss(
             "its per-chunk collectives run in the eager driver; wrap the loss call in torch.compiler.disable"
         )
     # An OOM retry on one rank alone would leave the others waiting in its collectives: no fallback.
-    x, weight, bias, target_flat, class_weight, geometry, options = prepare_vocab_parallel(
+    x, weight, bias, target_flat, class_weight, geometry, options, targets = prepare_vocab_parallel(
         input, weight, target, bias, class_weight, options, policy=policy, group=group,
         grad_input=grad_input, compute_dtype=compute_dtype,
     )  # fmt: skip
-    return _apply(x, weight, bias, target_flat, class_weight, geometry, options, None, compute_dtype)
+    return _apply(x, weight, bias, target_flat, class_weight, geometry, options, None, compute_dtype, targets)
 
 
 def _eager_loss(
@@ -219,11 +219,13 @@ def _eager_loss(
 
     The forward pass finishes the check once its kernels are queued (flce_policy/targets.py).
     """
+    target, targets = start_target_check(
+        target, weight.shape[0], options.ignore_index, class_weight, options.reduction == "mean"
+    )
     if not x.shape[0]:
-        return _apply(x, weight, bias, target, class_weight, None, options, None, compute_dtype)
-    target, target_check = start_target_check(target, weight.shape[0], options.ignore_index)
+        return _apply(x, weight, bias, target, class_weight, None, options, None, compute_dtype, targets)
     geometry, fallback = _geometry_for(policy, x, weight, compute_dtype or x.dtype)
-    return _apply(x, weight, bias, target, class_weight, geometry, options, fallback, compute_dtype, target_check)
+    return _apply(x, weight, bias, target, class_weight, geometry, options, fallback, compute_dtype, targets)
 
 
 def _apply(
@@ -236,9 +238,10 @@ def _apply(
     options: LossOptions,
     fallback: OOMFallback | None,
     compute_dtype: torch.dtype | None,
-    target_check: TargetCheck | None = None,
+    targets: TargetCheck,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The autograd Function on a resolved geometry, with the accumulator it planned."""
+    """The autograd Function on a resolved geometry, with the accumulator it planned; ``target`` is
+    ``targets``' safe one."""
     if geometry is not None:
         options = options.following(geometry)
 
@@ -246,7 +249,7 @@ def _apply(
 
     return FLCEFunction.apply(
         x, weight, bias, target, class_weight, geometry, options, torch.is_grad_enabled(), fallback, compute_dtype,
-        target_check,
+        targets,
     )  # fmt: skip
 
 

@@ -1,15 +1,16 @@
-"""The target-range check: a class index outside ``[0, V)`` is a Python ValueError, not a device assert.
+"""A call's targets, made ready in one launch: a class index outside ``[0, V)`` is a Python ValueError.
 
 Reading a device flag on the host waits for the GPU to reach it. Done at the start of a call, that
 wait also empties the GPU's queue: the GPU then idles while the host issues the call's kernels.
-So :func:`start_target_check` only queues one kernel (``flce_policy.kernels.safe_targets``) and a
-non-blocking copy of its flag to the host; the call runs its kernels on targets whose bad rows are
-turned into ignored ones (no kernel reads outside ``[0, V)``), and :meth:`TargetCheck.finish`,
-called once the call's work is queued, waits for that flag only. A bad call still raises before it
-returns anything.
+So a :class:`TargetCheck` only queues one kernel (``flce_policy.kernels.safe_targets``: targets
+with bad rows turned into ignored ones, so no kernel reads outside ``[0, V)``, plus the flag, the
+mean's denominators and the gradient scales) and a non-blocking copy of the flag to the host;
+:meth:`TargetCheck.finish`, called once the call's work is queued, waits for that flag only. A bad
+call still raises before it returns anything.
 
-While a CUDA graph is being captured no host read is allowed at all: :func:`poisoned_targets`
-answers a bad target with a NaN loss (and NaN gradients) instead.
+While a CUDA graph is being captured no host read is allowed at all: a check made with
+``host_check=False`` answers a bad target with a NaN ``poison`` instead, which the caller adds to
+the loss and to the gradient scale (never a plausible wrong loss).
 """
 
 from __future__ import annotations
@@ -21,36 +22,58 @@ import torch
 __all__ = ["TargetCheck", "check_target_range", "poisoned_targets", "start_target_check"]
 
 
-def _safe_targets(target: torch.Tensor, vocab: int, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The targets with bad rows ignored, and a device int32 flag set to 1 if any row was bad (one launch)."""
-    from flce_policy.kernels.safe_targets import safe_targets_
-
-    flag = torch.zeros(1, dtype=torch.int32, device=target.device)
-    return safe_targets_(target, vocab, ignore_index, flag), flag
-
-
 class TargetCheck:
-    """A started range check of ``target``; :meth:`finish` raises if any index was out of range."""
+    """A started check of ``target`` (1-D int64) and what the call runs on meanwhile.
 
-    __slots__ = ("_flag", "_ready", "_safe", "_target", "_vocab", "_ignore_index")
+    ``class_weight`` (fp32 ``[V]`` or None) and ``mean`` set the denominators and gradient scales.
+    """
 
-    def __init__(self, target: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    __slots__ = ("_flag", "_ready", "_safe", "_target", "_vocab", "_ignore_index", "meta", "poison")
+
+    def __init__(
+        self,
+        target: torch.Tensor,
+        vocab: int,
+        ignore_index: int,
+        class_weight: torch.Tensor | None = None,
+        mean: bool = True,
+        *,
+        host_check: bool = True,
+    ) -> None:
+        from flce_policy.kernels.safe_targets import prepare_targets_
+
         self._target, self._vocab, self._ignore_index = target, vocab, ignore_index
-        self._safe, device_flag = _safe_targets(target, vocab, ignore_index)
+        self._safe, self.meta = prepare_targets_(target, vocab, ignore_index, class_weight, mean)
         self._ready: torch.cuda.Event | None = None
-        if target.is_cuda:
+        self._flag: torch.Tensor | None = None
+        #: 0-dim fp32, NaN if a row was bad (``host_check=False`` only): added to the loss and the scales.
+        self.poison: torch.Tensor | None = None
+        if not host_check:
+            nan = torch.full((), float("nan"), dtype=torch.float32, device=target.device)  # a fill: capturable
+            self.poison = torch.where(self.meta[0] > 0, nan, torch.zeros_like(nan))
+        elif target.is_cuda:
             self._flag, self._ready = _host_flag(target.device)
-            self._flag.copy_(device_flag, non_blocking=True)  # filled when the GPU gets there
+            self._flag.copy_(self.meta[:1], non_blocking=True)  # filled when the GPU gets there
             self._ready.record(torch.cuda.current_stream(target.device))
         else:
-            self._flag = device_flag
+            self._flag = self.meta[:1]
 
     def safe_target(self) -> torch.Tensor:
         """``target`` with out-of-range rows set to ``ignore_index``: what the kernels may run on meanwhile."""
         return self._safe
 
+    @property
+    def grad_scale(self) -> torch.Tensor:
+        """``[scale_ce, scale_z]`` (fp32, on the device): 1/mass and 1/count for mean, ones for sum."""
+        return self.meta[3:5]
+
     def finish(self) -> None:
-        """Wait for the flag (not for the work queued after it) and raise ValueError when a row was bad."""
+        """Wait for the flag (not for the work queued after it) and raise ValueError when a row was bad.
+
+        Nothing to wait for without a host check (the poison answers a bad row).
+        """
+        if self._flag is None:
+            return
         if self._ready is not None:
             self._ready.synchronize()
         if self._flag.item():
@@ -70,13 +93,19 @@ def _host_flag(device: torch.device) -> tuple[torch.Tensor, torch.cuda.Event]:
     cache = _flags.__dict__.setdefault("by_device", {})
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in cache:
-        cache[index] = (torch.zeros(1, dtype=torch.int32, pin_memory=True), torch.cuda.Event())
+        cache[index] = (torch.zeros(1, dtype=torch.float32, pin_memory=True), torch.cuda.Event())
     return cache[index]
 
 
-def start_target_check(target: torch.Tensor, vocab: int, ignore_index: int) -> tuple[torch.Tensor, TargetCheck]:
+def start_target_check(
+    target: torch.Tensor,
+    vocab: int,
+    ignore_index: int,
+    class_weight: torch.Tensor | None = None,
+    mean: bool = True,
+) -> tuple[torch.Tensor, TargetCheck]:
     """Start the check of ``target`` (1-D int64); return the targets to run on and the check to finish."""
-    check = TargetCheck(target, vocab, ignore_index)
+    check = TargetCheck(target, vocab, ignore_index, class_weight, mean)
     return check.safe_target(), check
 
 
@@ -88,9 +117,7 @@ def check_target_range(target: torch.Tensor, vocab: int, ignore_index: int) -> N
 def poisoned_targets(target: torch.Tensor, vocab: int, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For CUDA-graph capture: the targets with bad rows ignored, and a 0-dim fp32 poison (NaN if any was bad).
 
-    The caller adds the poison to the loss and to the gradient scale: a bad call gives NaN, never a
-    plausible wrong loss. No host read, so it can be captured.
+    No host read, so it can be captured.
     """
-    safe, flag = _safe_targets(target, vocab, ignore_index)
-    nan = torch.full((), float("nan"), dtype=torch.float32, device=target.device)  # a fill: capturable
-    return safe, torch.where(flag.view(()) > 0, nan, torch.zeros_like(nan))
+    check = TargetCheck(target, vocab, ignore_index, host_check=False)
+    return check.safe_target(), check.poison  # type: ignore[return-value]

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from flce_policy.geometry import Geometry
 from flce_policy.options import LossOptions
 from flce_policy.sharded import is_dtensor
+from flce_policy.targets import TargetCheck
 
 __all__ = ["GradInputMode", "VocabParallelCall", "prepare_vocab_parallel"]
 
@@ -52,6 +53,7 @@ class VocabParallelCall(NamedTuple):
     class_weight: torch.Tensor | None
     geometry: Geometry | None
     options: LossOptions
+    targets: TargetCheck  # checked already: the safe targets are ``target``
 
 
 def prepare_vocab_parallel(
@@ -71,7 +73,6 @@ def prepare_vocab_parallel(
     # Imported here: the kernels pick interpreter or compiler at import (TRITON_INTERPRET), as loss.py defers them.
     from flce_policy.kernels.vocab_shard import VocabShard
     from flce_policy.loss import _check_tensors, _geometry_for
-    from flce_policy.targets import check_target_range
 
     if grad_input not in _GRAD_INPUT_MODES:
         raise ValueError(f"tp_grad_input must be 'full' or 'partial', got {grad_input!r}")
@@ -87,20 +88,22 @@ def prepare_vocab_parallel(
     sizes, chunk_sizes = _agree(fields, weight.shape[0], geometry, group, world, x.device)
 
     vocab, start = sum(sizes), sum(sizes[:rank])
-    if target_flat.numel():
-        try:
-            check_target_range(target_flat, vocab, options.ignore_index)
-        except ValueError as err:
-            raise ValueError(f"{err}: tp_group's {world} shard(s) hold {sizes} classes, V={vocab} in all") from None
-    if geometry is not None and geometry.chunk_size != min(chunk_sizes):
-        geometry = _with_rows(geometry, min(chunk_sizes), chunk_sizes)
     if class_weight is not None:
         class_weight = _whole_vocab(class_weight, start, vocab, group)
+    # Waited for now, before the chunks' collectives: a bad target on every rank is the same error at once.
+    targets = TargetCheck(target_flat, vocab, options.ignore_index, class_weight, options.reduction == "mean")
+    try:
+        targets.finish()
+    except ValueError as err:
+        raise ValueError(f"{err}: tp_group's {world} shard(s) hold {sizes} classes, V={vocab} in all") from None
+    target_flat = targets.safe_target()
+    if geometry is not None and geometry.chunk_size != min(chunk_sizes):
+        geometry = _with_rows(geometry, min(chunk_sizes), chunk_sizes)
     shard = VocabShard(group=group, start=start, stop=start + weight.shape[0], vocab=vocab)
     if grad_input == "full" and needs_input_grad and world > 1:
         x = _SumGradOverGroup.apply(x, group)
     options = dataclasses.replace(options, vocab_shard=shard)
-    return VocabParallelCall(x, weight, bias, target_flat, class_weight, geometry, options)
+    return VocabParallelCall(x, weight, bias, target_flat, class_weight, geometry, options, targets)
 
 
 # --- DTensors and the group ---------------------------------------------------------------------------

@@ -78,14 +78,9 @@ def ce_workspace(rows: int, tile_cols: int, device: torch.device, *, entropy: bo
     segment_len = triton.cdiv(blocks, segments) * block_v
     slots = triton.next_power_of_2(segments)
     planes = _PARTIALS + 1 if entropy else _PARTIALS
+    # No fill (four launches per call): the finish kernel reads the padding slots as neutral.
     partials = torch.empty((planes, rows, slots), dtype=torch.float32, device=device)
-    # Padding slots are never written: make them neutral for the merge (exp(-inf) = 0, sums 0).
-    partials[0].fill_(-float("inf"))
-    partials[1:4].zero_()
-    partials[4].fill_(-float("inf"))
-    if entropy:
-        partials[_ENTROPY_PLANE].zero_()
-    best_index = torch.zeros((rows, slots), dtype=torch.int32, device=device)
+    best_index = torch.empty((rows, slots), dtype=torch.int32, device=device)
     return CEWorkspace(block_v, segments, segment_len, slots, partials, best_index)
 
 
@@ -262,6 +257,7 @@ def _ce_finish_kernel(
     label_smoothing,
     softcap,
     z_loss_scale,
+    num_segments,
     HAS_WEIGHT: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -304,9 +300,11 @@ def _ce_finish_kernel(
     else:
         local_target = target - col_offset
         # Merge the row's partial log-sum-exps: lse = M + log(sum_s d_s * exp(m_s - M)).
+        # Slots past num_segments pad NUM_SLOTS to a power of two and are never written: read as neutral.
+        live = tl.arange(0, NUM_SLOTS) < num_segments
         slots = row * NUM_SLOTS + tl.arange(0, NUM_SLOTS)
-        m_s = tl.load(partials_ptr + slots)
-        d_s = tl.load(partials_ptr + plane + slots)
+        m_s = tl.load(partials_ptr + slots, mask=live, other=-float("inf"))
+        d_s = tl.load(partials_ptr + plane + slots, mask=live, other=0.0)
         m = tl.max(m_s, axis=0)
         lse = m + tl.log(tl.sum(d_s * tl.exp(m_s - m), axis=0))
 
@@ -315,7 +313,7 @@ def _ce_finish_kernel(
         if HAS_WEIGHT:
             w_y = tl.load(class_weight_ptr + target)
             if HAS_SMOOTHING:
-                sum_w = tl.sum(tl.load(partials_ptr + 3 * plane + slots), axis=0)
+                sum_w = tl.sum(tl.load(partials_ptr + 3 * plane + slots, mask=live, other=0.0), axis=0)
         eps_over_v = label_smoothing / vocab
         z_y = tl.load(partials_ptr + 5 * plane + row * NUM_SLOTS)
         # Token scaling: the row's whole loss, and so its gradient, times the detached p_y.
@@ -326,22 +324,22 @@ def _ce_finish_kernel(
         if WRITE_LOSS and segment == 0:
             ce = (1.0 - label_smoothing) * w_y * (lse - z_y)
             if HAS_SMOOTHING:
-                sum_wz = tl.sum(tl.load(partials_ptr + 2 * plane + slots), axis=0)
+                sum_wz = tl.sum(tl.load(partials_ptr + 2 * plane + slots, mask=live, other=0.0), axis=0)
                 ce += eps_over_v * (sum_w * lse - sum_wz)
             tl.store(loss_ptr + row, ce * token_scale)
             if HAS_Z_LOSS:
                 tl.store(z_loss_ptr + row, z_loss_scale * lse * lse * token_scale)
             if TRACK_ARGMAX:
-                best_s = tl.load(partials_ptr + 4 * plane + slots)
+                best_s = tl.load(partials_ptr + 4 * plane + slots, mask=live, other=-float("inf"))
                 # the lowest column among the slots holding the maximum, as torch.argmax picks
-                best_i = tl.load(best_index_ptr + slots)
+                best_i = tl.load(best_index_ptr + slots, mask=live, other=0)
                 idx = tl.min(tl.where(best_s == tl.max(best_s, axis=0), best_i, vocab), axis=0)
                 tl.store(argmax_ptr + row, idx.to(tl.int64))
             if ENTROPY:
                 # entropy = lse - sum_c p_c z_c, both sums merged over the slots as lse's is
                 rescale = tl.exp(m_s - m)
                 d_all = tl.sum(d_s * rescale, axis=0)
-                s_all = tl.sum(tl.load(partials_ptr + 6 * plane + slots) * rescale, axis=0)
+                s_all = tl.sum(tl.load(partials_ptr + 6 * plane + slots, mask=live, other=0.0) * rescale, axis=0)
                 tl.store(entropy_ptr + row, lse - s_all / d_all)
 
         if WRITE_GRAD:
@@ -503,6 +501,7 @@ def ce_finish(
         label_smoothing,
         softcap if softcap is not None else 1.0,
         z_loss_scale,
+        ws.segments_per_tile,
         HAS_Z_LOSS=z_loss_rows is not None,
         WRITE_LOSS=write_loss,
         WRITE_GRAD=write_grad,

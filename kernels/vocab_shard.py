@@ -45,8 +45,8 @@ class VocabShard:
 
     def merge(self, workspace: CEWorkspace, target: torch.Tensor, ignore_index: int, track_argmax: bool) -> None:
         """Replace the partials of ``target``'s rows by the group's merged partials (see the module docstring)."""
-        rows = target.shape[0]
-        partials, best_index = workspace.partials[:, :rows], workspace.best_index[:rows]
+        rows, live = target.shape[0], workspace.segments_per_tile  # slots past `live` are padding, never written
+        partials, best_index = workspace.partials[:, :rows, :live], workspace.best_index[:rows, :live]
         m_s, d_s = partials[0], partials[1]
         m = m_s.amax(dim=1)
         d = (d_s * torch.exp(m_s - _finite(m)[:, None])).sum(dim=1)

@@ -60,6 +60,54 @@ def test_poisoned_targets_nan_only_when_bad():
     assert safe.tolist() == [0, -100, -100, 2] and torch.isnan(poison)
 
 
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("mean", [True, False])
+@pytest.mark.parametrize("rows", [0, 7, 2500])  # none; under one block; several blocks and a tail
+def test_denominators_and_gradient_scales(rows, mean, weighted):
+    """The check's meta against plain Python: kept rows (neither ignored nor bad), their class-weight mass,
+    an empty denominator taken as 1, and the scales 1/mass, 1/count for mean (ones for sum)."""
+    g = torch.Generator().manual_seed(rows)
+    target = torch.randint(-3, V + 3, (rows,), generator=g)
+    target[torch.rand(rows, generator=g) < 0.3] = -100
+    class_weight = torch.rand(V, generator=g, dtype=torch.float64) + 0.25 if weighted else None
+    check = TargetCheck(
+        target.to(DEVICE), V, -100, None if class_weight is None else class_weight.float().to(DEVICE), mean
+    )
+    kept = [t for t in target.tolist() if 0 <= t < V]
+    mass = sum(class_weight[t].item() for t in kept) if weighted else float(len(kept))
+    mass, count = mass or 1.0, float(len(kept)) or 1.0
+    bad = any(t != -100 and not 0 <= t < V for t in target.tolist())
+    want = [float(bad), mass, count, 1 / mass if mean else 1.0, 1 / count if mean else 1.0]
+    torch.testing.assert_close(check.meta.cpu().double(), torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=0)
+    torch.testing.assert_close(check.grad_scale.cpu().double(), torch.tensor(want[3:], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_loss_totals_against_float64_sums(reduction):
+    """The one-program sums over many rows: loss, z-loss and accuracy against float64 reductions."""
+    from flce_policy.kernels.loss_total import loss_totals
+
+    rows = 100_003
+    g = torch.Generator().manual_seed(5)
+    target = torch.randint(0, V, (rows,), generator=g)
+    target[torch.rand(rows, generator=g) < 0.1] = -100
+    loss_rows = torch.where(target != -100, torch.rand(rows, generator=g) * 12, 0.0)
+    z_rows = torch.where(target != -100, torch.rand(rows, generator=g) * 1e-3, 0.0)
+    argmax = torch.where(torch.rand(rows, generator=g) < 0.4, target, (target + 1) % V)
+    argmax[target == -100] = -1
+    check = TargetCheck(target.to(DEVICE), V, -100, None, reduction == "mean")
+    got = loss_totals(
+        *(t.to(DEVICE) for t in (loss_rows, z_rows, argmax, target)), check.meta, -100, reduction == "mean"
+    )
+    kept = (target != -100).double()
+    ce, z = loss_rows.double().sum(), z_rows.double().sum()
+    if reduction == "mean":
+        ce, z = ce / kept.sum(), z / kept.sum()
+    accuracy = ((argmax == target).double() * kept).sum() / kept.sum()
+    for value, want in zip(got, (ce + z, z, accuracy), strict=True):
+        torch.testing.assert_close(value.cpu().double(), want, rtol=2e-7, atol=0)
+
+
 def test_bad_target_with_class_weight_is_the_value_error_not_an_index_error():
     """The denominators index class_weight by target: only safe targets may reach them before the check."""
     g = torch.Generator().manual_seed(0)
