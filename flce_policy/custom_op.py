@@ -17,15 +17,18 @@ What crosses the op boundary is tensors and scalars only:
 
 Gradients. For mean/sum the op returns the gradients it computed in forward as outputs (empty
 where not wanted); ``setup_context`` keeps detached handles on ``ctx`` (not saved tensors, so
-nothing copies them) and backward scales them in place by ``grad_output`` with the in-place op
-``flce_policy::scale_unless_one_`` (device-side, no host sync, no pass when it is 1), dropping
-its own handle before returning them, so autograd can adopt the buffer the driver allocated as
-``.grad`` without a copy. No parameter-sized buffer is added: the outputs *are* the driver's
-buffers. Under compile the backward graph holds the same buffers as saved activations, and
-functionalization turns the in-place scale into a clone plus an in-place op on the clone:
-inductor reinplaces it onto the saved buffer (``tests/test_compile.py`` checks the ``data_ptr``
-of ``.grad`` against the driver's buffer in eager, through the op, and with inductor), while
-``aot_eager``, which never reinplaces, pays that clone. For ``none`` backward is a second op
+nothing copies them) and backward scales them in place by ``grad_output`` with plain
+``Tensor.mul_`` (on the device, no host sync), dropping its own handle before returning them, so
+autograd can adopt the buffer the driver allocated as ``.grad`` without a copy. No
+parameter-sized buffer is added: the outputs *are* the driver's buffers. Under compile the
+backward graph holds the same buffers as saved activations, and functionalization turns the
+in-place scale into a clone plus an op on the clone: inductor reinplaces it onto the saved buffer
+(``tests/test_compile.py`` checks the ``data_ptr`` of ``.grad`` against the driver's buffer in
+eager, through the op, and with inductor), while ``aot_eager``, which never reinplaces, pays that
+clone. The scale is an aten op rather than eager's skip-when-1 kernel
+(``flce_policy.kernels.scale``) because inductor copies a buffer onto itself before any in-place
+custom op on it: one read and write of the gradients either way, and aten's is launched by the
+compiled code itself, not through a custom op's Python dispatch. For ``none`` backward is a second op
 that recomputes, as in eager.
 
 Targets. Outside CUDA-graph capture the op checks the target range on the host, as eager does
@@ -43,7 +46,6 @@ import torch
 from flce_policy.autograd import forward_pass, recompute_grads
 from flce_policy.geometry import Geometry
 from flce_policy.kernels.driver import GradRequest
-from flce_policy.kernels.scale import scale_unless_one_
 from flce_policy.options import LossOptions
 from flce_policy.policy_keys import DEFAULT_POLICY_KEY, live_policy, policy_key
 from flce_policy.problem import Problem
@@ -297,18 +299,6 @@ def _(x, weight, bias, target, class_weight, grad_loss, policy_key, rows, vocab_
     )
 
 
-@torch.library.custom_op("flce_policy::scale_unless_one_", mutates_args=("grads",))
-def _scale_op(grads: list[torch.Tensor], scale: torch.Tensor) -> None:
-    """Each of ``grads`` times ``scale`` in place, on the device; nothing when ``scale == 1``."""
-    for g in grads:
-        scale_unless_one_(g, scale)
-
-
-@_scale_op.register_fake
-def _(grads, scale):
-    return None
-
-
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
     x, weight, bias, target, class_weight, *scalars = inputs
     ctx.scalars = dict(zip(_SCALARS, scalars, strict=True))
@@ -337,9 +327,9 @@ def _backward(ctx: Any, grad_loss: torch.Tensor, *_: Any) -> tuple[Any, ...]:
         grads, ctx.grads = ctx.grads, None  # the only other reference: autograd may adopt the buffers
         if grads is None:
             raise RuntimeError("fused_linear_cross_entropy: backward ran twice through the same call")
-        present = [g for g in grads if g is not None]
-        if present:
-            _scale_op(present, grad_loss)
+        for g in grads:
+            if g is not None:
+                g.mul_(grad_loss)  # fp32 product rounded once to g's dtype; g unchanged when grad_loss is 1
     grad_input, grad_weight, grad_bias = grads
     return (grad_input, grad_weight, grad_bias, None, None, *([None] * len(_SCALARS)))
 

@@ -304,8 +304,6 @@ def test_opcheck():
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
     for reduction in ("mean", "none"):
         torch.library.opcheck(op, _op_args(t, reduction, True, None, (True, True, True)), test_utils=utils)
-    grads = [torch.randn(4, 3), torch.randn(5)]
-    torch.library.opcheck(torch.ops.flce_policy.scale_unless_one_.default, (grads, torch.tensor(2.0)))
 
 
 # --------------------------------------------------------------------------- no copy of the gradients
