@@ -50,8 +50,7 @@ MAX_BLOCK_V = 4096
 TARGET_PROGRAMS = 8192
 #: Warps per program for blocks of >= 2048 elements (4 below).
 WIDE_BLOCK_WARPS = 8
-_PARTIALS = 6  # m, d, sum_wz, sum_w, best, z_y
-_ENTROPY_PLANE = 6  # sum(exp(z - m) * z), only in a workspace made with entropy=True
+_PARTIALS = 6  # m, d, sum_wz, sum_w, best, z_y (planes 0-5); plane 6, sum(exp(z - m) * z), with entropy=True
 
 
 class CEWorkspace(NamedTuple):
