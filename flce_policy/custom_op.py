@@ -106,8 +106,7 @@ def _checked_targets(
     Outside CUDA-graph capture: the eager path's check, a ValueError once the call's work is queued.
     While capturing (no host read allowed): bad rows run as ignored and the poison makes the loss NaN.
     """
-    host_check = not target.numel() or _host_sync_allowed(target.device)
-    return TargetCheck(target, vocab, ignore_index, class_weight, mean, host_check=host_check)
+    return TargetCheck(target, vocab, ignore_index, class_weight, mean, host_check=_host_sync_allowed(target.device))
 
 
 def _empty(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -269,7 +268,7 @@ def _recompute_op(
         "none", ignore_index, label_smoothing, softcap, softcap_rounding, z_loss_scale, False, False, token_scaling,
         accum_dtype,
     )  # fmt: skip
-    if target.numel() and not _host_sync_allowed(target.device):
+    if not _host_sync_allowed(target.device):
         target, _ = poisoned_targets(target, weight.shape[0], ignore_index)  # the forward's loss is NaN already
     geometry, fallback, options, want = _plan(
         x,
