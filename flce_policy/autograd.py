@@ -16,6 +16,7 @@ weight's gradient is accumulated in fp32 by the driver, with no low-precision gr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, NamedTuple
 
@@ -30,7 +31,7 @@ from flce_policy.oom import DEFAULT_OOM_FALLBACK, OOMFallback
 from flce_policy.options import LossOptions
 from flce_policy.targets import TargetCheck
 
-__all__ = ["FLCEFunction", "ForwardResult", "forward_pass", "recompute_grads", "rescale"]
+__all__ = ["FLCEFunction", "ForwardResult", "autocast_off", "forward_pass", "recompute_grads", "rescale"]
 
 
 def _ce_params(options: LossOptions) -> CEParams:
@@ -81,14 +82,14 @@ class FLCEFunction(torch.autograd.Function):
             weight_dtype=None if compute_dtype is None else weight.dtype,
         )
         ctx.compute_dtype = compute_dtype
-        with _autocast_off(x.device.type):
+        with autocast_off(x.device.type):
             return _forward(ctx, x, weight, bias, target, class_weight, geometry, options, want, fallback, targets)
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         options: LossOptions = ctx.options
         if options.reduction == "none":
-            with _autocast_off(grad_loss.device.type):
+            with autocast_off(grad_loss.device.type):
                 grads = _recompute_grads(ctx, grad_loss)
         else:
             grads, ctx.grads = ctx.grads, None
@@ -99,9 +100,17 @@ class FLCEFunction(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None, None
 
 
-def _autocast_off(device_type: str) -> Any:
-    # The operands are already in the compute dtype; autocast must not recast the fp32 accumulators.
-    return torch.autocast(device_type, enabled=False)
+_NOTHING_TO_SWITCH_OFF = contextlib.nullcontext()
+
+
+def autocast_off(device_type: str) -> Any:
+    """A context with autocast off on ``device_type`` (nothing to enter when it is off already).
+
+    The operands are already in the compute dtype; autocast must not recast the fp32 accumulators.
+    """
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return _NOTHING_TO_SWITCH_OFF
 
 
 class ForwardResult(NamedTuple):
@@ -165,18 +174,16 @@ def forward_pass(
 
     ``targets`` (started by the caller with this call's class weights and reduction) gives the safe
     targets the kernels run on, the denominators and the gradient scales; it is finished once the
-    chunks are queued: a bad target raises ValueError then, with no GPU idle time before it. Its
-    ``poison`` (CUDA-graph capture: 0, or NaN after a bad target) is added to the loss and to the
-    gradient scale, where no host sync is allowed.
+    chunks are queued: a bad target raises ValueError then, with no GPU idle time before it. Where no
+    host sync is allowed (CUDA-graph capture) a bad target makes its gradient scales NaN and its
+    ``poison`` NaN, which the loss adds (``loss_totals`` reads it from the same meta).
     """
     caller_dtypes = (x.dtype, None if bias is None else bias.dtype)
     x, weight, bias = _operands(x, weight, bias, compute_dtype)
     params = _ce_params(options)
     target, poison = targets.safe_target(), targets.poison
     in_forward = want if options.reduction != "none" else GradRequest()
-    grad_scale = None
-    if in_forward.any:
-        grad_scale = targets.grad_scale if poison is None else targets.grad_scale + poison  # NaN gradients
+    grad_scale = targets.grad_scale if in_forward.any else None
 
     if geometry is None:  # empty input: no rows, nothing to run
         out = _empty_outputs(x, weight, bias, in_forward, params)
@@ -206,8 +213,8 @@ def forward_pass(
             out.loss_rows, out.z_loss_rows, argmax_rows, target, targets.meta, options.ignore_index,
             options.reduction == "mean",
         )  # fmt: skip
-    if poison is not None:
-        loss = loss + poison
+    if poison is not None and options.reduction == "none":
+        loss = loss + poison  # mean/sum: loss_totals added it
     predicted = out.argmax_rows if options.return_predicted_tokens else None
     grads = _in_caller_dtypes(caller_dtypes, out) if options.reduction != "none" else (None, None, None)
     return ForwardResult(loss, z_loss, accuracy, predicted, grads, geometry, out.entropy_rows)

@@ -1,35 +1,39 @@
-"""The loss as registered custom ops, for ``torch.compile``: one opaque node, no graph break.
+"""The loss as a registered op, for ``torch.compile``: one opaque node, no graph break.
 
 ``fused_linear_cross_entropy`` calls :func:`compiled_loss` instead of ``FLCEFunction`` while
 Dynamo traces it. The compiler then sees ``flce_policy::fused_linear_cross_entropy``: its fake
 implementation gives the output shapes and dtypes, and at run time the real one runs the same
 code as eager (``flce_policy.autograd.forward_pass``: the Python chunk loop, the OOM fallback).
 
-What crosses the op boundary is tensors and scalars only:
+The op is defined with ``torch.library.Library`` and one ``CompositeExplicitAutograd`` kernel, and
+its derivative is an ``autograd.Function`` around the call that Dynamo traces (AOTAutograd turns it
+into the compiled backward). ``torch.library.custom_op`` + ``register_autograd`` would do the same
+with three more Python layers on every call of the compiled forward (its autograd kernel, a
+redispatch, its backend wrapper with an aliasing check): about 0.1 ms per call on the H200's host,
+which at small shapes sets the pace of the step. Called eagerly outside that Function the op has no
+derivative; nothing in flce_policy does that.
 
-- the policy is a key: 0 for the default policy, else the ``id`` of a live ``FLCEPolicy``
-  (which registers itself when built), or a Geometry's ``chunk_size``/``vocab_chunk``/planned
-  accumulator. The geometry is resolved **inside the op, at run time, from the actual shapes**:
-  a marked-dynamic token count gets the geometry of each size it meets, and the device probe
-  (NVML, ``.item()``) never runs under the tracer. An ``FLCEPolicy`` keeps remembering the size
-  an OOM fallback completed at, because the op resolves through that same policy object;
-- the options are the op's scalar arguments (a LossOptions rebuilt inside).
+What crosses the op boundary is tensors and one string, ``config``: every scalar of the call
+(policy key, options, compute dtype, gradients wanted) in a fixed text form, a constant of the
+graph, decoded once per distinct text. The policy is a key: 0 for the default policy, else the
+``id`` of a live ``FLCEPolicy`` (which registers itself when built), or a Geometry's
+``chunk_size``/``vocab_chunk``/planned accumulator. The geometry is resolved **inside the op, at
+run time, from the actual shapes**: a marked-dynamic token count gets the geometry of each size it
+meets, and the device probe (NVML, ``.item()``) never runs under the tracer. An ``FLCEPolicy``
+keeps remembering the size an OOM fallback completed at, because the op resolves through that
+same policy object.
 
 Gradients. For mean/sum the op returns the gradients it computed in forward as outputs (empty
-where not wanted); ``setup_context`` keeps detached handles on ``ctx`` (not saved tensors, so
-nothing copies them) and backward scales them in place by ``grad_output`` with plain
-``Tensor.mul_`` (on the device, no host sync), dropping its own handle before returning them, so
-autograd can adopt the buffer the driver allocated as ``.grad`` without a copy. No
-parameter-sized buffer is added: the outputs *are* the driver's buffers. Under compile the
-backward graph holds the same buffers as saved activations, and functionalization turns the
-in-place scale into a clone plus an op on the clone: inductor reinplaces it onto the saved buffer
-(``tests/test_compile.py`` checks the ``data_ptr`` of ``.grad`` against the driver's buffer in
-eager, through the op, and with inductor), while ``aot_eager``, which never reinplaces, pays that
-clone. The scale is an aten op rather than eager's skip-when-1 kernel
+where not wanted); the Function saves them and its backward scales them in place by
+``grad_output`` with plain ``Tensor.mul_`` (on the device, no host sync). No parameter-sized buffer
+is added: the outputs *are* the driver's buffers. Under compile the backward graph holds them as
+saved activations, and functionalization turns the in-place scale into a clone plus an op on the
+clone: inductor reinplaces it onto the saved buffer (``tests/test_compile.py`` checks the
+``data_ptr`` of ``.grad`` against the driver's buffer with inductor), while ``aot_eager``, which
+never reinplaces, pays that clone. The scale is an aten op rather than eager's skip-when-1 kernel
 (``flce_policy.kernels.scale``) because inductor copies a buffer onto itself before any in-place
 custom op on it: one read and write of the gradients either way, and aten's is launched by the
-compiled code itself, not through a custom op's Python dispatch. For ``none`` backward is a second op
-that recomputes, as in eager.
+compiled code itself. For ``none`` backward is a second op that recomputes, as in eager.
 
 Targets. Outside CUDA-graph capture the op checks the target range on the host, as eager does
 (a ValueError, even under ``torch.compile``). While a CUDA graph is being captured a host sync is
@@ -39,13 +43,18 @@ rows, and the loss becomes NaN (for mean/sum also every gradient): never a silen
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import functools
 from typing import Any
 
 import torch
 
-from flce_policy.autograd import forward_pass, recompute_grads
+from flce_policy.autograd import autocast_off, forward_pass, recompute_grads
 from flce_policy.geometry import Geometry
 from flce_policy.kernels.driver import GradRequest
+from flce_policy.loss import _geometry_for
+from flce_policy.oom import DEFAULT_OOM_FALLBACK
 from flce_policy.options import LossOptions
 from flce_policy.policy_keys import DEFAULT_POLICY_KEY, live_policy, policy_key
 from flce_policy.problem import Problem
@@ -53,14 +62,111 @@ from flce_policy.targets import TargetCheck, poisoned_targets
 
 __all__ = ["compiled_loss"]
 
+_OUTPUTS = "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+_LIB = torch.library.Library("flce_policy", "FRAGMENT")
+_LIB.define(
+    "fused_linear_cross_entropy(Tensor x, Tensor weight, Tensor? bias, Tensor target, Tensor? class_weight, "
+    f"str config) -> {_OUTPUTS}"
+)
+_LIB.define(
+    "fused_linear_cross_entropy_backward(Tensor x, Tensor weight, Tensor? bias, Tensor target, "
+    "Tensor? class_weight, Tensor grad_loss, str config) -> (Tensor, Tensor, Tensor)"
+)
+
+# ----------------------------------------------------------------------------------- the config text
+
+#: The call's scalars in ``config``'s order: the policy (a key, or a Geometry's rows, vocab chunk and
+#: accumulator), the loss options, the compute dtype, the gradients wanted.
+_FIELDS = (
+    "policy_key", "rows", "vocab_chunk", "accum",
+    "reduction", "ignore_index", "label_smoothing", "softcap", "softcap_rounding", "z_loss_scale",
+    "token_accuracy", "predicted_tokens", "token_scaling", "accum_dtype", "entropy",
+    "compute_dtype", "want_input", "want_weight", "want_bias",
+)  # fmt: skip
+_DTYPE_FIELDS = ("accum_dtype", "compute_dtype")
+
+
+@torch.compiler.assume_constant_result
+def _config_text(*values: Any) -> str:
+    """``config`` for ``values`` in ``_FIELDS`` order: ``name=repr;...`` (dtypes by name). Run by Dynamo
+    at trace time, so the graph holds the text as a constant."""
+    parts = []
+    for name, value in zip(_FIELDS, values, strict=True):
+        if name in _DTYPE_FIELDS and value is not None:
+            value = str(value).removeprefix("torch.")
+        parts.append(f"{name}={value!r}")
+    return ";".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """A decoded ``config``: what every call with that text shares."""
+
+    policy: tuple[int, int, int, str]  # policy_key, rows, vocab_chunk, accum
+    options: LossOptions
+    compute_dtype: torch.dtype | None
+    wants: tuple[bool, bool, bool]  # input, weight, bias
+    #: The options following a geometry's planned accumulator, and the gradient requests, per
+    #: (accumulator, bias given, weight dtype): built once, not on every call.
+    _followed: dict[Any, tuple[LossOptions, GradRequest]] = dataclasses.field(default_factory=dict, compare=False)
+
+    def plan(
+        self, geometry: Geometry | None, bias: torch.Tensor | None, weight: torch.Tensor
+    ) -> tuple[LossOptions, GradRequest]:
+        key = (None if geometry is None else geometry.accum_dtype, bias is not None, weight.dtype)
+        found = self._followed.get(key)
+        if found is None:
+            options = self.options if geometry is None else self.options.following(geometry)
+            want = GradRequest(
+                input=self.wants[0],
+                weight=self.wants[1],
+                bias=self.wants[2] and bias is not None,
+                accum_dtype=options.accum_dtype,
+                weight_dtype=None if self.compute_dtype is None else weight.dtype,
+            )
+            found = self._followed[key] = (options, want)
+        return found
+
+
+@functools.lru_cache(maxsize=256)
+def _decode(config: str) -> _Config:
+    """The :class:`_Config` of a ``config`` text (once per distinct text); a malformed one raises ValueError."""
+    try:
+        values = dict(part.split("=", 1) for part in config.split(";"))
+        values = {name: ast.literal_eval(values[name]) for name in _FIELDS}
+    except (KeyError, ValueError, SyntaxError) as err:
+        raise ValueError(f"flce_policy: malformed op config {config!r}: {err}") from None
+    for name in _DTYPE_FIELDS:
+        if values[name] is not None:
+            values[name] = getattr(torch, values[name])
+    options = LossOptions(
+        ignore_index=values["ignore_index"],
+        reduction=values["reduction"],
+        label_smoothing=values["label_smoothing"],
+        softcap=values["softcap"],
+        softcap_rounding=values["softcap_rounding"],
+        z_loss_scale=values["z_loss_scale"],
+        return_token_accuracy=values["token_accuracy"],
+        return_predicted_tokens=values["predicted_tokens"],
+        use_token_scaling=values["token_scaling"],
+        accum_dtype=values["accum_dtype"],
+        return_entropy=values["entropy"],
+    )
+    return _Config(
+        policy=(values["policy_key"], values["rows"], values["vocab_chunk"], values["accum"]),
+        options=options,
+        compute_dtype=values["compute_dtype"],
+        wants=(values["want_input"], values["want_weight"], values["want_bias"]),
+    )
+
+
+# ----------------------------------------------------------------------------------- run time
+
 
 def _geometry_now(
     x: torch.Tensor, weight: torch.Tensor, logits_dtype: torch.dtype, key: int, rows: int, vocab_chunk: int, accum: str
 ) -> tuple[Geometry | None, Any]:
     """The geometry for these tensors, resolved at run time, and its OOM fallback."""
-    from flce_policy.loss import _geometry_for
-    from flce_policy.oom import DEFAULT_OOM_FALLBACK
-
     if x.shape[0] == 0:
         return None, None
     if rows:  # a Geometry was given: rebuilt for the actual problem (the wrapper checked it matches)
@@ -71,25 +177,11 @@ def _geometry_now(
 
 
 def _plan(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    options: LossOptions,
-    compute_dtype: torch.dtype | None,
-    policy: tuple[int, int, int, str],
-    wants: tuple[bool, bool, bool],
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: _Config
 ) -> tuple[Geometry | None, Any, LossOptions, GradRequest]:
     """The geometry resolved now, its OOM fallback, the options following its plan, and the gradients wanted."""
-    geometry, fallback = _geometry_now(x, weight, compute_dtype or x.dtype, *policy)
-    if geometry is not None:
-        options = options.following(geometry)
-    want = GradRequest(
-        input=wants[0],
-        weight=wants[1],
-        bias=wants[2] and bias is not None,
-        accum_dtype=options.accum_dtype,
-        weight_dtype=None if compute_dtype is None else weight.dtype,
-    )
+    geometry, fallback = _geometry_now(x, weight, config.compute_dtype or x.dtype, *config.policy)
+    options, want = config.plan(geometry, bias, weight)
     return geometry, fallback, options, want
 
 
@@ -113,184 +205,101 @@ def _empty(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Te
     return torch.empty(0, dtype=dtype, device=device)
 
 
-# The scalars after the five tensors, in op order; the backward returns None for each.
-_SCALARS = (
-    "policy_key",
-    "rows",
-    "vocab_chunk",
-    "accum",
-    "reduction",
-    "ignore_index",
-    "label_smoothing",
-    "softcap",
-    "softcap_rounding",
-    "z_loss_scale",
-    "token_accuracy",
-    "predicted_tokens",
-    "token_scaling",
-    "accum_dtype",
-    "compute_dtype",
-    "want_input",
-    "want_weight",
-    "want_bias",
-    "entropy",
-)
+def _refuse_to_record(*tensors: torch.Tensor | None) -> None:
+    """The ops have no autograd kernel: their derivative is :class:`_CompiledLoss`. Called directly
+    where autograd would record them, they say so instead of returning gradient-less results."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise RuntimeError(
+            "flce_policy's ops have no derivative of their own: call flce_policy.fused_linear_cross_entropy "
+            "(compiled or not), not torch.ops.flce_policy.* directly, on tensors that require grad"
+        )
 
 
-def _options(
-    reduction: str,
-    ignore_index: int,
-    label_smoothing: float,
-    softcap: float | None,
-    softcap_rounding: str,
-    z_loss_scale: float,
-    token_accuracy: bool,
-    predicted_tokens: bool,
-    token_scaling: bool,
-    accum_dtype: torch.dtype | None,
-    entropy: bool = False,
-) -> LossOptions:
-    return LossOptions(
-        ignore_index=ignore_index,
-        reduction=reduction,  # type: ignore[arg-type]
-        label_smoothing=label_smoothing,
-        softcap=softcap,
-        softcap_rounding=softcap_rounding,  # type: ignore[arg-type]
-        z_loss_scale=z_loss_scale,
-        return_token_accuracy=token_accuracy,
-        return_predicted_tokens=predicted_tokens,
-        use_token_scaling=token_scaling,
-        accum_dtype=accum_dtype,
-        return_entropy=entropy,
-    )
-
-
-@torch.library.custom_op("flce_policy::fused_linear_cross_entropy", mutates_args=())
-def _loss_op(
+def _loss_impl(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     target: torch.Tensor,
     class_weight: torch.Tensor | None,
-    policy_key: int,
-    rows: int,
-    vocab_chunk: int,
-    accum: str,
-    reduction: str,
-    ignore_index: int,
-    label_smoothing: float,
-    softcap: float | None,
-    softcap_rounding: str,
-    z_loss_scale: float,
-    token_accuracy: bool,
-    predicted_tokens: bool,
-    token_scaling: bool,
-    accum_dtype: torch.dtype | None,
-    compute_dtype: torch.dtype | None,
-    want_input: bool,
-    want_weight: bool,
-    want_bias: bool,
-    entropy: bool = False,
-) -> tuple[
-    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
-]:
+    config: str,
+) -> tuple[torch.Tensor, ...]:
     """``(loss, z_loss, accuracy, predicted, grad_input, grad_weight, grad_bias, entropy)``; unwanted ones are empty."""
-    options = _options(
-        reduction, ignore_index, label_smoothing, softcap, softcap_rounding, z_loss_scale, token_accuracy,
-        predicted_tokens, token_scaling, accum_dtype, entropy,
-    )  # fmt: skip
-    targets = _checked_targets(target, weight.shape[0], ignore_index, class_weight, reduction == "mean")
-    geometry, fallback, options, want = _plan(
-        x,
-        weight,
-        bias,
-        options,
-        compute_dtype,
-        (policy_key, rows, vocab_chunk, accum),
-        (want_input, want_weight, want_bias),
-    )
-    with torch.autocast(x.device.type, enabled=False):
-        result = forward_pass(x, weight, bias, targets, class_weight, geometry, options, want, fallback, compute_dtype)
+    _refuse_to_record(x, weight, bias)
+    decoded = _decode(config)
+    options = decoded.options
+    targets = _checked_targets(target, weight.shape[0], options.ignore_index, class_weight, options.reduction == "mean")
+    geometry, fallback, options, want = _plan(x, weight, bias, decoded)
+    with autocast_off(x.device.type):
+        result = forward_pass(
+            x, weight, bias, targets, class_weight, geometry, options, want, fallback, decoded.compute_dtype
+        )
     device = x.device
     grads = tuple(
         g if g is not None else _empty(device, t.dtype) for g, t in zip(result.grads, (x, weight, x), strict=True)
     )
     predicted = result.predicted if result.predicted is not None else _empty(device, torch.int64)
     entropy_rows = result.entropy if result.entropy is not None else _empty(device)
-    return (result.loss, result.z_loss, result.accuracy, predicted, *grads, entropy_rows)  # type: ignore[return-value]
+    return (result.loss, result.z_loss, result.accuracy, predicted, *grads, entropy_rows)
 
 
-@_loss_op.register_fake
-def _(x, weight, bias, target, class_weight, policy_key, rows, vocab_chunk, accum, reduction, ignore_index,
-      label_smoothing, softcap, softcap_rounding, z_loss_scale, token_accuracy, predicted_tokens, token_scaling,
-      accum_dtype, compute_dtype, want_input, want_weight, want_bias, entropy=False):  # fmt: skip
+def _loss_fake(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    class_weight: torch.Tensor | None,
+    config: str,
+) -> tuple[torch.Tensor, ...]:
+    decoded = _decode(config)
+    options, (want_input, want_weight, want_bias) = decoded.options, decoded.wants
     f32, device = torch.float32, x.device
-    loss_shape = (x.shape[0],) if reduction == "none" else ()
-    in_forward = reduction != "none"
+    loss_shape = (x.shape[0],) if options.reduction == "none" else ()
+    in_forward = options.reduction != "none"
     return (
         x.new_empty(loss_shape, dtype=f32),
         x.new_empty(loss_shape, dtype=f32),
         x.new_empty((), dtype=f32),
-        x.new_empty((x.shape[0],) if predicted_tokens else (0,), dtype=torch.int64),
+        x.new_empty((x.shape[0],) if options.return_predicted_tokens else (0,), dtype=torch.int64),
         torch.empty_like(x) if in_forward and want_input else _empty(device, x.dtype),
         torch.empty_like(weight) if in_forward and want_weight else _empty(device, weight.dtype),
         torch.empty_like(bias) if in_forward and want_bias and bias is not None else _empty(device, x.dtype),
-        x.new_empty((x.shape[0],) if entropy else (0,), dtype=f32),
+        x.new_empty((x.shape[0],) if options.return_entropy else (0,), dtype=f32),
     )
 
 
-@torch.library.custom_op("flce_policy::fused_linear_cross_entropy_backward", mutates_args=())
-def _recompute_op(
+def _recompute_impl(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     target: torch.Tensor,
     class_weight: torch.Tensor | None,
     grad_loss: torch.Tensor,
-    policy_key: int,
-    rows: int,
-    vocab_chunk: int,
-    accum: str,
-    ignore_index: int,
-    label_smoothing: float,
-    softcap: float | None,
-    softcap_rounding: str,
-    z_loss_scale: float,
-    token_scaling: bool,
-    accum_dtype: torch.dtype | None,
-    compute_dtype: torch.dtype | None,
-    want_input: bool,
-    want_weight: bool,
-    want_bias: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    config: str,
+) -> tuple[torch.Tensor, ...]:
     """Reduction none's backward: ``(grad_input, grad_weight, grad_bias)``, recomputed; unwanted ones are empty."""
-    options = _options(
-        "none", ignore_index, label_smoothing, softcap, softcap_rounding, z_loss_scale, False, False, token_scaling,
-        accum_dtype,
-    )  # fmt: skip
+    _refuse_to_record(x, weight, bias, grad_loss)
+    decoded = _decode(config)
     if not _host_sync_allowed(target.device):
-        target, _ = poisoned_targets(target, weight.shape[0], ignore_index)  # the forward's loss is NaN already
-    geometry, fallback, options, want = _plan(
-        x,
-        weight,
-        bias,
-        options,
-        compute_dtype,
-        (policy_key, rows, vocab_chunk, accum),
-        (want_input, want_weight, want_bias),
-    )
-    with torch.autocast(x.device.type, enabled=False):
+        target, _ = poisoned_targets(target, weight.shape[0], decoded.options.ignore_index)  # the loss is NaN already
+    geometry, fallback, options, want = _plan(x, weight, bias, decoded)
+    with autocast_off(x.device.type):
         grads, _ = recompute_grads(
-            x, weight, bias, target, class_weight, geometry, options, want, fallback, compute_dtype, grad_loss
+            x, weight, bias, target, class_weight, geometry, options, want, fallback, decoded.compute_dtype, grad_loss
         )
     dtypes = (x.dtype, weight.dtype, x.dtype if bias is None else bias.dtype)
-    return tuple(g if g is not None else _empty(x.device, t) for g, t in zip(grads, dtypes, strict=True))  # type: ignore[return-value]
+    return tuple(g if g is not None else _empty(x.device, t) for g, t in zip(grads, dtypes, strict=True))
 
 
-@_recompute_op.register_fake
-def _(x, weight, bias, target, class_weight, grad_loss, policy_key, rows, vocab_chunk, accum, ignore_index,
-      label_smoothing, softcap, softcap_rounding, z_loss_scale, token_scaling, accum_dtype, compute_dtype, want_input,
-      want_weight, want_bias):  # fmt: skip
+def _recompute_fake(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    class_weight: torch.Tensor | None,
+    grad_loss: torch.Tensor,
+    config: str,
+) -> tuple[torch.Tensor, ...]:
+    want_input, want_weight, want_bias = _decode(config).wants
     return (
         torch.empty_like(x) if want_input else _empty(x.device, x.dtype),
         torch.empty_like(weight) if want_weight else _empty(x.device, weight.dtype),
@@ -298,42 +307,53 @@ def _(x, weight, bias, target, class_weight, grad_loss, policy_key, rows, vocab_
     )
 
 
-def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
-    x, weight, bias, target, class_weight, *scalars = inputs
-    ctx.scalars = dict(zip(_SCALARS, scalars, strict=True))
-    ctx.has_bias = bias is not None
-    ctx.mark_non_differentiable(*output[1:])
-    if ctx.scalars["reduction"] == "none":
-        ctx.save_for_backward(x, weight, bias, target, class_weight)
-        ctx.grads = None
-        return
-    wanted = (ctx.scalars["want_input"], ctx.scalars["want_weight"], ctx.scalars["want_bias"] and ctx.has_bias)
-    # Detached handles, not saved tensors: saving would make autograd keep (and under some
-    # settings copy) them, and a handle with the output's grad_fn would form a reference cycle.
-    ctx.grads = tuple(g.detach() if w else None for g, w in zip(output[4:7], wanted, strict=True))
+_LIB.impl("fused_linear_cross_entropy", _loss_impl, "CompositeExplicitAutograd")
+_LIB.impl("fused_linear_cross_entropy_backward", _recompute_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("flce_policy::fused_linear_cross_entropy", _loss_fake, lib=_LIB)
+torch.library.register_fake("flce_policy::fused_linear_cross_entropy_backward", _recompute_fake, lib=_LIB)
+_LOSS_OP = torch.ops.flce_policy.fused_linear_cross_entropy.default
+_RECOMPUTE_OP = torch.ops.flce_policy.fused_linear_cross_entropy_backward.default
 
 
-def _backward(ctx: Any, grad_loss: torch.Tensor, *_: Any) -> tuple[Any, ...]:
-    s = ctx.scalars
-    if s["reduction"] == "none":
-        x, weight, bias, target, class_weight = ctx.saved_tensors
-        forward_only = ("reduction", "token_accuracy", "predicted_tokens", "entropy")
-        recompute = (s[name] for name in _SCALARS if name not in forward_only)
-        grads = _recompute_op(x, weight, bias, target, class_weight, grad_loss.contiguous(), *recompute)
-        wanted = (s["want_input"], s["want_weight"], s["want_bias"] and ctx.has_bias)
-        grads = tuple(g if w else None for g, w in zip(grads, wanted, strict=True))
-    else:
-        grads, ctx.grads = ctx.grads, None  # the only other reference: autograd may adopt the buffers
-        if grads is None:
-            raise RuntimeError("fused_linear_cross_entropy: backward ran twice through the same call")
-        for g in grads:
-            if g is not None:
-                g.mul_(grad_loss)  # fp32 product rounded once to g's dtype; g unchanged when grad_loss is 1
-    grad_input, grad_weight, grad_bias = grads
-    return (grad_input, grad_weight, grad_bias, None, None, *([None] * len(_SCALARS)))
+# ----------------------------------------------------------------------------------- the derivative
 
 
-_loss_op.register_autograd(_backward, setup_context=_setup_context)
+class _CompiledLoss(torch.autograd.Function):
+    """The op and its derivative, traced by Dynamo into the graph's forward and backward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        target: torch.Tensor,
+        class_weight: torch.Tensor | None,
+        config: str,
+        recompute: bool,
+        wants: tuple[bool, bool, bool],
+    ) -> tuple[torch.Tensor, ...]:
+        out = _LOSS_OP(x, weight, bias, target, class_weight, config)
+        ctx.mark_non_differentiable(*out[1:])
+        ctx.config, ctx.recompute, ctx.wants = config, recompute, wants
+        if recompute:  # reduction none: backward runs the chunks again
+            ctx.save_for_backward(x, weight, bias, target, class_weight)
+        else:  # mean/sum: the gradients computed in forward
+            ctx.save_for_backward(*out[4:7])
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor, *_: Any) -> tuple[Any, ...]:  # type: ignore[override]
+        if ctx.recompute:
+            x, weight, bias, target, class_weight = ctx.saved_tensors
+            grads = _RECOMPUTE_OP(x, weight, bias, target, class_weight, grad_loss.contiguous(), ctx.config)
+        else:
+            grads = ctx.saved_tensors
+            for g, wanted in zip(grads, ctx.wants, strict=True):
+                if wanted:
+                    g.mul_(grad_loss)  # fp32 product rounded once to g's dtype; g unchanged when grad_loss is 1
+        grad_input, grad_weight, grad_bias = (g if wanted else None for g, wanted in zip(grads, ctx.wants, strict=True))
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
 def compiled_loss(
@@ -346,7 +366,7 @@ def compiled_loss(
     options: LossOptions,
     compute_dtype: torch.dtype | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``FLCEFunction.apply``'s results through the custom op: ``(loss, z_loss, accuracy, predicted, entropy)``."""
+    """``FLCEFunction.apply``'s results through the op: ``(loss, z_loss, accuracy, predicted, entropy)``."""
     from flce_policy.policy import FLCEPolicy
 
     rows, vocab_chunk, accum = 0, 0, ""
@@ -362,32 +382,20 @@ def compiled_loss(
             "(wrap a strategy as FLCEPolicy(default=strategy), built outside the compiled function)"
         )
     grad_enabled = torch.is_grad_enabled()
-    out = _loss_op(
-        x,
-        weight,
-        bias,
-        target,
-        class_weight,
-        key,
-        rows,
-        vocab_chunk,
-        accum,
-        options.reduction,
-        options.ignore_index,
-        float(options.label_smoothing),
-        None if options.softcap is None else float(options.softcap),
-        options.softcap_rounding,
-        float(options.z_loss_scale),
-        options.return_token_accuracy,
-        options.return_predicted_tokens,
-        options.use_token_scaling,
-        options.accum_dtype,
-        compute_dtype,
+    wants = (
         grad_enabled and x.requires_grad,
         grad_enabled and weight.requires_grad,
         grad_enabled and bias is not None and bias.requires_grad,
-        options.return_entropy,
     )
+    config = _config_text(
+        key, rows, vocab_chunk, accum,
+        options.reduction, options.ignore_index, float(options.label_smoothing),
+        None if options.softcap is None else float(options.softcap), options.softcap_rounding,
+        float(options.z_loss_scale), options.return_token_accuracy, options.return_predicted_tokens,
+        options.use_token_scaling, options.accum_dtype, options.return_entropy,
+        compute_dtype, *wants,
+    )  # fmt: skip
+    out = _CompiledLoss.apply(x, weight, bias, target, class_weight, config, options.reduction == "none", wants)
     loss, z_loss, accuracy, predicted = out[:4]
     entropy = out[7] if options.return_entropy else None
     return loss, z_loss, accuracy, predicted if options.return_predicted_tokens else None, entropy

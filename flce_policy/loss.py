@@ -14,16 +14,20 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
+from flce_policy import probe
 from flce_policy.geometry import Geometry
+from flce_policy.oom import DEFAULT_OOM_FALLBACK
 from flce_policy.options import LossOptions, Reduction, SoftcapRounding
+from flce_policy.policy import CONFIG_ENV_VAR, FLCEPolicy
 from flce_policy.problem import Problem
 from flce_policy.sharded import check_unsharded, is_dtensor
+from flce_policy.strategies import ChunkStrategy
+from flce_policy.strategy_cache import strategy_geometry
 from flce_policy.targets import TargetCheck, start_target_check
 from flce_policy.vocab_parallel import GradInputMode, prepare_vocab_parallel
 
 if TYPE_CHECKING:
     from flce_policy.oom import OOMFallback
-    from flce_policy.policy import FLCEPolicy
 
 __all__ = ["fused_linear_cross_entropy", "FusedLinearCrossEntropyLoss", "FLCEOutput", "autocast_dtype"]
 
@@ -296,33 +300,31 @@ def _geometry_for(
     """The geometry to run, and how an OOM on its slab is answered (a policy's settings, else the default).
 
     Under tensor parallelism ``weight`` is this rank's shard and ``tp_size`` the group's size.
+    Called on every loss call (eager, and inside the compiled op): plain lookups, no validation
+    once a problem has been seen.
     """
-    from flce_policy.oom import DEFAULT_OOM_FALLBACK
-    from flce_policy.probe import device_for_tensor_device
-    from flce_policy.strategies import ChunkStrategy
-
     if isinstance(policy, Geometry):
         return policy, DEFAULT_OOM_FALLBACK  # checked against the tensors by the driver
-    problem = Problem(tokens=x.shape[0], hidden=x.shape[1], vocab=weight.shape[0], dtype=dtype, tp_size=tp_size)
-    device = device_for_tensor_device(x.device)
+    problem = _problem(x.shape[0], x.shape[1], weight.shape[0], dtype, tp_size)
+    device = probe.device_for_tensor_device(x.device)
     if isinstance(policy, ChunkStrategy):
-        from flce_policy.strategy_cache import strategy_geometry
-
         return strategy_geometry(policy, problem, device), DEFAULT_OOM_FALLBACK
-    from flce_policy.policy import FLCEPolicy
-
     if policy is None:
-        policy = _default_policy(os.environ.get("FLCE_POLICY_CONFIG"))
+        policy = _default_policy(os.environ.get(CONFIG_ENV_VAR))
     if isinstance(policy, FLCEPolicy):
         return policy.resolve(problem, device), policy.oom_fallback_for(problem, device)
     raise TypeError(f"policy must be an FLCEPolicy, a Geometry, a ChunkStrategy or None; got {type(policy).__name__}")
 
 
+@functools.lru_cache(maxsize=1024)
+def _problem(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, tp_size: int) -> Problem:
+    """The (validated, immutable) Problem of a call's sizes, built once per distinct sizes."""
+    return Problem(tokens=tokens, hidden=hidden, vocab=vocab, dtype=dtype, tp_size=tp_size)
+
+
 @functools.lru_cache(maxsize=4)
 def _default_policy(config_path: str | None) -> FLCEPolicy:
     """``FLCEPolicy.default()`` loaded once per FLCE_POLICY_CONFIG value, not on every call."""
-    from flce_policy.policy import FLCEPolicy
-
     return FLCEPolicy.default()
 
 

@@ -9,8 +9,8 @@ mean's denominators and the gradient scales) and a non-blocking copy of the flag
 call still raises before it returns anything.
 
 While a CUDA graph is being captured no host read is allowed at all: a check made with
-``host_check=False`` answers a bad target with a NaN ``poison`` instead, which the caller adds to
-the loss and to the gradient scale (never a plausible wrong loss).
+``host_check=False`` answers a bad target with NaN instead, in the same launch: the gradient scales
+are NaN and ``poison``, which the loss adds, is NaN (never a plausible wrong loss).
 """
 
 from __future__ import annotations
@@ -43,14 +43,13 @@ class TargetCheck:
         from flce_policy.kernels.safe_targets import prepare_targets_
 
         self._target, self._vocab, self._ignore_index = target, vocab, ignore_index
-        self._safe, self.meta = prepare_targets_(target, vocab, ignore_index, class_weight, mean)
+        self._safe, self.meta = prepare_targets_(target, vocab, ignore_index, class_weight, mean, not host_check)
         self._ready: torch.cuda.Event | None = None
         self._flag: torch.Tensor | None = None
-        #: 0-dim fp32, NaN if a row was bad (``host_check=False`` only): added to the loss and the scales.
+        #: 0-dim fp32, NaN if a row was bad (``host_check=False`` only; the scales are NaN then too).
         self.poison: torch.Tensor | None = None
         if not host_check:
-            nan = torch.full((), float("nan"), dtype=torch.float32, device=target.device)  # a fill: capturable
-            self.poison = torch.where(self.meta[0] > 0, nan, torch.zeros_like(nan))
+            self.poison = self.meta[5]
         elif target.is_cuda:
             self._flag, self._ready = _host_flag(target.device)
             self._flag.copy_(self.meta[:1], non_blocking=True)  # filled when the GPU gets there
@@ -64,7 +63,8 @@ class TargetCheck:
 
     @property
     def grad_scale(self) -> torch.Tensor:
-        """``[scale_ce, scale_z]`` (fp32, on the device): 1/mass and 1/count for mean, ones for sum."""
+        """``[scale_ce, scale_z]`` (fp32, on the device): 1/mass and 1/count for mean, ones for sum (NaN after a
+        bad target with ``host_check=False``)."""
         return self.meta[3:5]
 
     def finish(self) -> None:

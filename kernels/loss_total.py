@@ -3,7 +3,8 @@
 One program sums the rows in a fixed order (each lane compensated, so a million rows lose no more
 than a few fp32 ulps) and divides by the denominators ``flce_policy.kernels.safe_targets`` wrote into
 ``meta``: the CE sum by the class-weight mass and the z-loss by the kept-row count for ``mean``; the
-accuracy is always over the kept rows. Replaces about ten small launches (sums, divisions, a zero
+accuracy is always over the kept rows. The loss adds ``meta``'s poison (0, or NaN after a bad target
+where the flag could not be read on the host). Replaces about ten small launches (sums, divisions, a zero
 z-loss and accuracy) on the path of every call.
 """
 
@@ -51,7 +52,7 @@ def _loss_totals_kernel(
     if MEAN:
         ce_total = ce_total / tl.load(meta_ptr + 1)
         z_total = z_total / kept_rows
-    tl.store(loss_ptr, ce_total + z_total)
+    tl.store(loss_ptr, ce_total + z_total + tl.load(meta_ptr + 5))
     tl.store(z_loss_ptr, z_total)
     tl.store(accuracy_ptr, tl.sum(correct, axis=0).to(tl.float32) / kept_rows)
 

@@ -4,13 +4,15 @@ A row is bad when its index is outside ``[0, V)`` and not ``ignore_index``; its 
 ``ignore_index``, so no kernel indexes outside the vocabulary. One program walks all the targets
 (microseconds at 10^5 rows, every sum in a fixed order) and writes ``meta`` (fp32):
 
-    [bad (0 or 1), mass, count, scale_ce, scale_z]
+    [bad (0 or 1), mass, count, scale_ce, scale_z, poison]
 
 ``mass`` is the class-weight mass of the kept rows (their count without class weights), ``count``
 the kept rows, both taken as 1 when 0 (an all-ignored mean is 0, not NaN); ``scale_ce, scale_z`` are
-what dL/dlogits is multiplied by: ``1/mass, 1/count`` for ``mean``, ``1, 1`` for ``sum``. This one
-launch replaces a zeroed flag, the range check and the nine elementwise ops and reductions of the
-denominators and scales, on the path of every call.
+what dL/dlogits is multiplied by: ``1/mass, 1/count`` for ``mean``, ``1, 1`` for ``sum``. With
+``poison`` (where no host may read the flag: CUDA-graph capture) a bad row makes ``poison`` NaN and
+both scales NaN, so every gradient is NaN and the loss, which adds ``poison``, is NaN; otherwise
+``poison`` is 0. This one launch replaces a zeroed flag, the range check, the nine elementwise ops
+and reductions of the denominators and scales, and the poison's four, on the path of every call.
 """
 
 from __future__ import annotations
@@ -21,14 +23,14 @@ import triton.language as tl
 
 __all__ = ["META_SIZE", "prepare_targets_"]
 
-META_SIZE = 5
+META_SIZE = 6
 _BLOCK = 1024
 
 
 @triton.jit
 def _prepare_targets_kernel(
     target_ptr, safe_ptr, class_weight_ptr, meta_ptr, n, vocab, ignore_index,
-    HAS_WEIGHT: tl.constexpr, MEAN: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, MEAN: tl.constexpr, POISON: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     bad = tl.zeros([BLOCK], dtype=tl.int32)
     count = tl.zeros([BLOCK], dtype=tl.int32)
@@ -53,25 +55,36 @@ def _prepare_targets_kernel(
     # only an empty denominator is replaced (a class-weight mass may legitimately be < 1)
     weight_mass = tl.where(weight_mass > 0, weight_mass, 1.0)
     kept_rows = tl.where(kept_rows > 0, kept_rows, 1.0)
-    tl.store(meta_ptr, (tl.sum(bad, axis=0) > 0).to(tl.float32))
+    any_bad = tl.sum(bad, axis=0) > 0
+    poison = tl.zeros([], dtype=tl.float32)
+    if POISON:
+        poison = tl.where(any_bad, poison / poison, poison)  # 0/0: NaN
+    tl.store(meta_ptr, any_bad.to(tl.float32))
     tl.store(meta_ptr + 1, weight_mass)
     tl.store(meta_ptr + 2, kept_rows)
     if MEAN:
-        tl.store(meta_ptr + 3, 1.0 / weight_mass)
-        tl.store(meta_ptr + 4, 1.0 / kept_rows)
+        tl.store(meta_ptr + 3, 1.0 / weight_mass + poison)
+        tl.store(meta_ptr + 4, 1.0 / kept_rows + poison)
     else:
-        tl.store(meta_ptr + 3, 1.0)
-        tl.store(meta_ptr + 4, 1.0)
+        tl.store(meta_ptr + 3, 1.0 + poison)
+        tl.store(meta_ptr + 4, 1.0 + poison)
+    tl.store(meta_ptr + 5, poison)
 
 
 def prepare_targets_(
-    target: torch.Tensor, vocab: int, ignore_index: int, class_weight: torch.Tensor | None, mean: bool
+    target: torch.Tensor,
+    vocab: int,
+    ignore_index: int,
+    class_weight: torch.Tensor | None,
+    mean: bool,
+    poison: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(safe targets, meta)`` for ``target`` (1-D int64, contiguous); ``class_weight`` fp32 ``[V]`` or None."""
+    """``(safe targets, meta)`` for ``target`` (1-D int64, contiguous); ``class_weight`` fp32 ``[V]`` or None;
+    ``poison``: a bad row makes the scales and ``meta[5]`` NaN."""
     safe = torch.empty_like(target)
     meta = torch.empty(META_SIZE, dtype=torch.float32, device=target.device)
     _prepare_targets_kernel[(1,)](
         target, safe, class_weight, meta, target.numel(), vocab, ignore_index,
-        HAS_WEIGHT=class_weight is not None, MEAN=mean, BLOCK=_BLOCK,
+        HAS_WEIGHT=class_weight is not None, MEAN=mean, POISON=poison, BLOCK=_BLOCK,
     )  # fmt: skip
     return safe, meta

@@ -120,7 +120,11 @@ def test_explain_reports_one_graph_and_no_break():
     explanation = torch._dynamo.explain(_all_reductions)(t, coeffs, softcap=5.0)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
-    assert explanation.graphs[0].code.count(OP_NAME) == 3  # the three calls, each one opaque node
+    # the three calls, each one opaque node (in the forward subgraph of its autograd.Function), and
+    # reduction none's recompute in its backward subgraph
+    code = "".join(module.code for module in explanation.graphs[0].modules())
+    assert code.count(f"{OP_NAME}.default(") == 3
+    assert code.count(f"{OP_NAME}_backward.default(") == 1
 
 
 def test_autocast_compiled_equals_eager():
@@ -269,11 +273,11 @@ def test_oom_fallback_runs_inside_the_op_and_is_remembered():
 
 
 def _op_args(t, reduction, predicted, compute_dtype, wants, ignore_index=-100):
-    return (
-        t["x"], t["w"], t.get("b"), t["y"], None,
-        0, 0, 0, "", reduction, ignore_index, 0.0, None, "fp32", 0.0, True, predicted, False, None, compute_dtype,
-        *wants,
+    config = custom_op._config_text(
+        0, 0, 0, "", reduction, ignore_index, 0.0, None, "fp32", 0.0, True, predicted, False, None, False,
+        compute_dtype, *wants,
     )  # fmt: skip
+    return (t["x"], t["w"], t.get("b"), t["y"], None, config)
 
 
 @pytest.mark.parametrize("bt", [5, 0])
@@ -297,13 +301,35 @@ def test_fake_shapes_match_the_real_op_for_every_combination(bt):
 
 def test_opcheck():
     inputs = make_inputs(bt=6, h=8, v=17, bias=True, n_ignored=2)
-    t = _leaves(inputs)
+    t = inputs  # no leaves: the op is what autograd records through _CompiledLoss, not by itself
     op = torch.ops.flce_policy.fused_linear_cross_entropy.default
-    # test_aot_dispatch_dynamic is left out: it asks for gradients of the non-differentiable
-    # outputs; the op under AOT dispatch is what every compiled test here runs.
-    utils = ("test_schema", "test_autograd_registration", "test_faketensor")
+    # Left out: test_aot_dispatch_dynamic, which asks for gradients of the non-differentiable
+    # outputs (the op under AOT dispatch is what every compiled test here runs), and
+    # test_autograd_registration: the op has no autograd kernel, its derivative is the
+    # autograd.Function Dynamo traces around it (test_op_called_directly_where_autograd_records_says_so).
+    utils = ("test_schema", "test_faketensor")
     for reduction in ("mean", "none"):
         torch.library.opcheck(op, _op_args(t, reduction, True, None, (True, True, True)), test_utils=utils)
+
+
+def test_op_called_directly_where_autograd_records_says_so():
+    inputs = make_inputs(bt=6, h=8, v=17, n_ignored=2)
+    t = _leaves(inputs)
+    op = torch.ops.flce_policy.fused_linear_cross_entropy.default
+    with pytest.raises(RuntimeError, match="no derivative of their own: call flce_policy.fused_linear_cross_entropy"):
+        op(*_op_args(t, "mean", False, None, (True, True, False)))
+    with torch.no_grad():  # nothing to record: it runs
+        loss = op(*_op_args(t, "mean", False, None, (True, True, False)))[0]
+    torch.testing.assert_close(loss, fused_linear_cross_entropy(t["x"], t["w"], t["y"]).detach())
+
+
+def test_malformed_config_is_named():
+    inputs = make_inputs(bt=6, h=8, v=17)
+    with pytest.raises(ValueError, match="malformed op config 'reduction=mean'"):
+        with torch.no_grad():
+            torch.ops.flce_policy.fused_linear_cross_entropy.default(
+                inputs["x"], inputs["w"], None, inputs["y"], None, "reduction=mean"
+            )
 
 
 # --------------------------------------------------------------------------- no copy of the gradients

@@ -77,9 +77,20 @@ def test_denominators_and_gradient_scales(rows, mean, weighted):
     mass = sum(class_weight[t].item() for t in kept) if weighted else float(len(kept))
     mass, count = mass or 1.0, float(len(kept)) or 1.0
     bad = any(t != -100 and not 0 <= t < V for t in target.tolist())
-    want = [float(bad), mass, count, 1 / mass if mean else 1.0, 1 / count if mean else 1.0]
+    want = [float(bad), mass, count, 1 / mass if mean else 1.0, 1 / count if mean else 1.0, 0.0]
     torch.testing.assert_close(check.meta.cpu().double(), torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=0)
-    torch.testing.assert_close(check.grad_scale.cpu().double(), torch.tensor(want[3:], dtype=torch.float64))
+    torch.testing.assert_close(check.grad_scale.cpu().double(), torch.tensor(want[3:5], dtype=torch.float64))
+    # where no host may read the flag: the same, except that a bad row makes the scales and the poison NaN
+    device_side = TargetCheck(
+        target.to(DEVICE), V, -100, None if class_weight is None else class_weight.float().to(DEVICE), mean,
+        host_check=False,
+    )  # fmt: skip
+    if bad:
+        want[3:] = [float("nan")] * 3
+    torch.testing.assert_close(
+        device_side.meta.cpu().double(), torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=0, equal_nan=True
+    )
+    assert torch.isnan(device_side.poison).item() == bad
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
