@@ -113,6 +113,17 @@ def test_compiled_fullgraph_equals_eager(input_kw, options):
     assert len(got_grads) == (3 if input_kw.get("bias") else 2)
 
 
+def test_dynamo_eager_backend_equals_eager():
+    """backend="eager" runs the traced autograd.Function around the op without AOTAutograd."""
+    inputs = make_inputs(bias=True, class_weight=True, n_ignored=5)
+    coeffs = torch.cat([torch.tensor([0.7, 1.3]), torch.linspace(-1.0, 2.0, BT)]).to(DEVICE)
+    compiled = torch.compile(_all_reductions, fullgraph=True, backend="eager")
+    got, got_grads = _run_step(compiled, inputs, coeffs, softcap=6.0, z_loss_scale=0.01)
+    want, want_grads = _run_step(_all_reductions, inputs, coeffs, softcap=6.0, z_loss_scale=0.01)
+    _assert_same(got, want, "outputs")
+    _assert_same(got_grads, want_grads, "gradients")
+
+
 def test_explain_reports_one_graph_and_no_break():
     inputs = make_inputs(bias=True, class_weight=True, n_ignored=3)
     t = _leaves(inputs)
