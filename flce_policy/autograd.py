@@ -26,7 +26,7 @@ from flce_policy.geometry import Geometry
 from flce_policy.kernels.driver import CEParams, DriverOutputs, GradRequest
 from flce_policy.kernels.loss_total import loss_totals
 from flce_policy.kernels.resilient import run_with_oom_fallback
-from flce_policy.kernels.scale import scale_unless_one_
+from flce_policy.kernels.scale import scale_all_unless_one_
 from flce_policy.oom import DEFAULT_OOM_FALLBACK, OOMFallback
 from flce_policy.options import LossOptions
 from flce_policy.targets import TargetCheck
@@ -239,9 +239,7 @@ def rescale(saved: tuple[torch.Tensor | None, ...], grad_loss: torch.Tensor) -> 
     In place, on the device: no host sync, no pass when grad_output == 1 (the usual
     loss.backward()), and no second parameter-sized grad_weight when it is not.
     """
-    for g in saved:
-        if g is not None:
-            scale_unless_one_(g, grad_loss)
+    scale_all_unless_one_([g for g in saved if g is not None], grad_loss)  # one launch for all of them
     return saved
 
 

@@ -7,7 +7,7 @@ import torch
 
 from flce_policy.kernels import scale as scale_module
 from flce_policy.kernels.ce_kernel import KERNELS_INTERPRETED
-from flce_policy.kernels.scale import scale_unless_one_
+from flce_policy.kernels.scale import scale_all_unless_one_, scale_unless_one_
 
 DEVICE = "cpu" if KERNELS_INTERPRETED else "cuda"
 pytestmark = pytest.mark.skipif(
@@ -51,3 +51,25 @@ def test_an_empty_tensor_and_bad_arguments():
         scale_unless_one_(torch.zeros(4, 4, device=DEVICE).t(), torch.tensor(2.0, device=DEVICE))
     with pytest.raises(ValueError, match="one element"):
         scale_unless_one_(torch.zeros(4, device=DEVICE), torch.ones(2, device=DEVICE))
+
+
+@pytest.mark.parametrize("factor", [2.5, 1.0])
+def test_one_launch_scales_each_tensor_of_a_call(small_blocks, factor):
+    """Gradients of different sizes and dtypes (an empty one too): each element scaled once, none when 1."""
+    g = torch.Generator().manual_seed(3)
+    sizes_dtypes = [(7 * 16 + 5, torch.bfloat16), (3 * 16, torch.float32), (0, torch.bfloat16)]
+    tensors = [torch.randn(n, generator=g).to(dtype).to(DEVICE) for n, dtype in sizes_dtypes]
+    before = [t.clone() for t in tensors]
+    out = scale_all_unless_one_(tensors, torch.tensor(factor, device=DEVICE))
+    assert all(o is t for o, t in zip(out, tensors, strict=True))
+    for got, was in zip(tensors, before, strict=True):
+        exact = was.double() * factor
+        assert ((got.double() - exact).abs() <= exact.abs() * 2.0**-7).all()
+        if factor == 1.0 or got.dtype == torch.float32:
+            assert torch.equal(got, (was.float() * factor).to(got.dtype))
+
+
+def test_more_tensors_than_one_launch_takes_is_refused():
+    four = [torch.zeros(2, device=DEVICE) for _ in range(4)]
+    with pytest.raises(ValueError, match="at most 3 tensors, got 4"):
+        scale_all_unless_one_(four, torch.tensor(2.0, device=DEVICE))
