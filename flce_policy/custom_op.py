@@ -53,7 +53,7 @@ import torch
 from flce_policy.autograd import autocast_off, forward_pass, recompute_grads
 from flce_policy.geometry import Geometry
 from flce_policy.kernels.driver import GradRequest
-from flce_policy.loss import _geometry_for
+from flce_policy.loss import _geometry_for, _problem
 from flce_policy.oom import DEFAULT_OOM_FALLBACK
 from flce_policy.options import LossOptions
 from flce_policy.policy_keys import DEFAULT_POLICY_KEY, live_policy, policy_key
@@ -170,10 +170,15 @@ def _geometry_now(
     if x.shape[0] == 0:
         return None, None
     if rows:  # a Geometry was given: rebuilt for the actual problem (the wrapper checked it matches)
-        problem = Problem(tokens=x.shape[0], hidden=x.shape[1], vocab=weight.shape[0], dtype=logits_dtype)
-        geometry = Geometry.for_problem(problem, rows, vocab_chunk=vocab_chunk, accum_dtype=accum or None)
-        return geometry, DEFAULT_OOM_FALLBACK
+        problem = _problem(x.shape[0], x.shape[1], weight.shape[0], logits_dtype, 1)
+        return _given_geometry(problem, rows, vocab_chunk, accum), DEFAULT_OOM_FALLBACK
     return _geometry_for(live_policy(key), x, weight, logits_dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _given_geometry(problem: Problem, rows: int, vocab_chunk: int, accum: str) -> Geometry:
+    """A given Geometry's chunks for ``problem``, validated once per problem rather than on every call."""
+    return Geometry.for_problem(problem, rows, vocab_chunk=vocab_chunk, accum_dtype=accum or None)
 
 
 def _plan(
