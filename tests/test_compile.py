@@ -124,6 +124,50 @@ def test_dynamo_eager_backend_equals_eager():
     _assert_same(got_grads, want_grads, "gradients")
 
 
+def test_compiled_autograd_equals_eager():
+    """torch._dynamo.config.compiled_autograd: the backward (the op's scale pass and none's recompute) is
+    traced again at backward time by compiled autograd, and still equals eager's."""
+    inputs = make_inputs(bias=True, class_weight=True, n_ignored=5)
+    coeffs = torch.cat([torch.tensor([0.7, 1.3]), torch.linspace(-1.0, 2.0, BT)]).to(DEVICE)
+
+    def train_step(t):
+        objective, outputs = _all_reductions(t, coeffs, label_smoothing=0.1)
+        objective.backward()  # a graph break, where compiled autograd takes over
+        return objective, outputs
+
+    want, want_grads = _run_step(_all_reductions, inputs, coeffs, label_smoothing=0.1)
+    counters = torch._dynamo.utils.counters["compiled_autograd"]
+    counters.clear()
+    with torch._dynamo.config.patch(compiled_autograd=True):  # read when torch.compile wraps the function
+        compiled = torch.compile(train_step, backend="aot_eager")
+        for _ in range(2):
+            t = _leaves(inputs)
+            objective, outputs = compiled(t)
+            _assert_same([objective, *outputs], want, "outputs")
+            _assert_same([t[k].grad for k in ("x", "w", "b")], want_grads, "gradients")
+    assert counters["captures"] >= 1  # compiled autograd traced the backward
+
+
+def test_second_backward_through_one_loss():
+    """retain_graph=True then a second backward: eager refuses (its gradients are scaled in place once);
+    compiled, each backward returns a new scaled tensor, so the second accumulates the same gradient again."""
+    inputs = make_inputs(n_ignored=3)
+    t = _leaves(inputs)
+    loss = _plain(t["x"], t["w"], t["y"])
+    (2 * loss).backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice through the same call"):
+        (2 * loss).backward()
+    want = t["x"].grad.clone(), t["w"].grad.clone()
+
+    compiled = torch.compile(_plain, fullgraph=True, backend="aot_eager")
+    t = _leaves(inputs)
+    loss = compiled(t["x"], t["w"], t["y"])
+    (2 * loss).backward(retain_graph=True)
+    (2 * loss).backward()
+    torch.testing.assert_close(t["x"].grad, 2 * want[0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(t["w"].grad, 2 * want[1], rtol=1e-6, atol=1e-7)
+
+
 def test_explain_reports_one_graph_and_no_break():
     inputs = make_inputs(bias=True, class_weight=True, n_ignored=3)
     t = _leaves(inputs)

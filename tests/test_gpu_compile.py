@@ -64,6 +64,28 @@ def test_inductor_fullgraph_equals_eager(grad_output):
         _assert_same(_step(compiled, x, w, y, grad_output), want)
 
 
+@pytest.mark.parametrize("forward", ["eager", "compiled"])
+def test_compiled_autograd_equals_eager(forward):
+    """compiled autograd (inductor) traces the backward: the op's, or the eager autograd.Function's Triton scale."""
+    from torch._dynamo.utils import counters
+
+    x, w, y = _inputs(1024, 512, 8192)
+    scale = torch.tensor(0.5, device="cuda")  # not 1: the scale pass must run
+    want = _step(_loss, x, w, y, scale)
+
+    def train_step(xr, wr):
+        loss = (_loss if forward == "eager" else torch.compile(_loss, fullgraph=True))(xr, wr, y)
+        loss.backward(scale)
+        return loss.detach()
+
+    counters["compiled_autograd"].clear()
+    with torch._dynamo.compiled_autograd._enable(torch.compile(fullgraph=True)):
+        for _ in range(2):
+            xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+            _assert_same((train_step(xr, wr), xr.grad, wr.grad), (want[0], want[1], want[2]))
+    assert counters["compiled_autograd"]["captures"] >= 1
+
+
 def test_inductor_no_graph_break():
     x, w, y = _inputs(512, 256, 4096)
     explanation = torch._dynamo.explain(_loss)(x.requires_grad_(), w.requires_grad_(), y)
