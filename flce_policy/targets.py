@@ -19,6 +19,8 @@ import threading
 
 import torch
 
+from flce_policy.kernels.safe_targets import GRAD_SCALES, META_BAD, META_POISON, prepare_targets_
+
 __all__ = ["TargetCheck", "check_target_range", "poisoned_targets", "start_target_check"]
 
 
@@ -40,8 +42,6 @@ class TargetCheck:
         *,
         host_check: bool = True,
     ) -> None:
-        from flce_policy.kernels.safe_targets import prepare_targets_
-
         self._target, self._vocab, self._ignore_index = target, vocab, ignore_index
         self._safe, self.meta = prepare_targets_(target, vocab, ignore_index, class_weight, mean, not host_check)
         self._ready: torch.cuda.Event | None = None
@@ -49,13 +49,13 @@ class TargetCheck:
         #: 0-dim fp32, NaN if a row was bad (``host_check=False`` only; the scales are NaN then too).
         self.poison: torch.Tensor | None = None
         if not host_check:
-            self.poison = self.meta[5]
+            self.poison = self.meta[META_POISON]
         elif target.is_cuda:
             self._flag, self._ready = _host_flag(target.device)
-            self._flag.copy_(self.meta[:1], non_blocking=True)  # filled when the GPU gets there
+            self._flag.copy_(self.meta[META_BAD : META_BAD + 1], non_blocking=True)  # filled when the GPU gets there
             self._ready.record(torch.cuda.current_stream(target.device))
         else:
-            self._flag = self.meta[:1]
+            self._flag = self.meta[META_BAD : META_BAD + 1]
 
     def safe_target(self) -> torch.Tensor:
         """``target`` with out-of-range rows set to ``ignore_index``: what the kernels may run on meanwhile."""
@@ -65,7 +65,7 @@ class TargetCheck:
     def grad_scale(self) -> torch.Tensor:
         """``[scale_ce, scale_z]`` (fp32, on the device): 1/mass and 1/count for mean, ones for sum (NaN after a
         bad target with ``host_check=False``)."""
-        return self.meta[3:5]
+        return self.meta[GRAD_SCALES]
 
     def finish(self) -> None:
         """Wait for the flag (not for the work queued after it) and raise ValueError when a row was bad.

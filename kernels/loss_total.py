@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .safe_targets import COUNT_AT, MASS_AT, POISON_AT
+
 __all__ = ["loss_totals"]
 
 _BLOCK = 1024
@@ -48,11 +50,11 @@ def _loss_totals_kernel(
             correct += ((a == t) & (t != ignore_index)).to(tl.int32)
     ce_total = tl.sum(ce, axis=0)
     z_total = tl.sum(z, axis=0)
-    kept_rows = tl.load(meta_ptr + 2)
+    kept_rows = tl.load(meta_ptr + COUNT_AT)
     if MEAN:
-        ce_total = ce_total / tl.load(meta_ptr + 1)
+        ce_total = ce_total / tl.load(meta_ptr + MASS_AT)
         z_total = z_total / kept_rows
-    tl.store(loss_ptr, ce_total + z_total + tl.load(meta_ptr + 5))
+    tl.store(loss_ptr, ce_total + z_total + tl.load(meta_ptr + POISON_AT))
     tl.store(z_loss_ptr, z_total)
     tl.store(accuracy_ptr, tl.sum(correct, axis=0).to(tl.float32) / kept_rows)
 

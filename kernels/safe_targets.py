@@ -21,9 +21,19 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["META_SIZE", "prepare_targets_"]
+__all__ = [
+    "COUNT_AT", "GRAD_SCALES", "MASS_AT", "META_BAD", "META_POISON", "META_SIZE", "POISON_AT", "prepare_targets_",
+]  # fmt: skip
 
+#: ``meta``'s layout: the position of each value (see above).
+META_BAD, META_MASS, META_COUNT, META_SCALE_CE, META_SCALE_Z, META_POISON = range(6)
 META_SIZE = 6
+#: ``[scale_ce, scale_z]``, adjacent: the CE kernel reads a two-element slice of ``meta`` (ce, then z-loss).
+GRAD_SCALES = slice(META_SCALE_CE, META_SCALE_Z + 1)
+# The positions as the kernels read them (a Triton kernel reads a global only as a constexpr).
+BAD_AT, MASS_AT, COUNT_AT, SCALE_CE_AT, SCALE_Z_AT, POISON_AT = (
+    tl.constexpr(i) for i in (META_BAD, META_MASS, META_COUNT, META_SCALE_CE, META_SCALE_Z, META_POISON)
+)
 _BLOCK = 1024
 
 
@@ -59,16 +69,16 @@ def _prepare_targets_kernel(
     poison = tl.zeros([], dtype=tl.float32)
     if POISON:
         poison = tl.where(any_bad, poison / poison, poison)  # 0/0: NaN
-    tl.store(meta_ptr, any_bad.to(tl.float32))
-    tl.store(meta_ptr + 1, weight_mass)
-    tl.store(meta_ptr + 2, kept_rows)
+    tl.store(meta_ptr + BAD_AT, any_bad.to(tl.float32))
+    tl.store(meta_ptr + MASS_AT, weight_mass)
+    tl.store(meta_ptr + COUNT_AT, kept_rows)
     if MEAN:
-        tl.store(meta_ptr + 3, 1.0 / weight_mass + poison)
-        tl.store(meta_ptr + 4, 1.0 / kept_rows + poison)
+        tl.store(meta_ptr + SCALE_CE_AT, 1.0 / weight_mass + poison)
+        tl.store(meta_ptr + SCALE_Z_AT, 1.0 / kept_rows + poison)
     else:
-        tl.store(meta_ptr + 3, 1.0 + poison)
-        tl.store(meta_ptr + 4, 1.0 + poison)
-    tl.store(meta_ptr + 5, poison)
+        tl.store(meta_ptr + SCALE_CE_AT, 1.0 + poison)
+        tl.store(meta_ptr + SCALE_Z_AT, 1.0 + poison)
+    tl.store(meta_ptr + POISON_AT, poison)
 
 
 def prepare_targets_(
@@ -80,7 +90,7 @@ def prepare_targets_(
     poison: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(safe targets, meta)`` for ``target`` (1-D int64, contiguous); ``class_weight`` fp32 ``[V]`` or None;
-    ``poison``: a bad row makes the scales and ``meta[5]`` NaN."""
+    ``poison``: a bad row makes the scales and ``meta[META_POISON]`` NaN."""
     safe = torch.empty_like(target)
     meta = torch.empty(META_SIZE, dtype=torch.float32, device=target.device)
     _prepare_targets_kernel[(1,)](
