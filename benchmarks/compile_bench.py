@@ -8,6 +8,8 @@ fwd+bwd of the loss (x and W needing grad) in four forms, measured in one run:
 - ``reduce_overhead``: ``mode="reduce-overhead"``: fwd and bwd replayed as CUDA graphs;
 - ``hf_eager`` / ``hf_compiled``: a two-layer Llama with ``apply_flce``, when transformers and
   the integration are installed (shape's H and V, 4 heads of 2 layers; a training step);
+- ``liger_eager`` / ``liger_compiled``: Liger-Kernel's fused linear cross-entropy (C=16), when
+  installed, eager and ``torch.compile`` (no ``fullgraph``): a peer's compiled / eager;
 - ``trivial_eager`` / ``trivial_compiled``: a one-element fwd+bwd on the same tensors, whose
   difference is what ``torch.compile``'s own wrappers cost per call, whatever the function.
 
@@ -22,6 +24,7 @@ table and writes everything (every round's numbers too) to OUT.json.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import statistics
 import sys
@@ -132,6 +135,32 @@ def loss_steps(inputs: Inputs) -> dict[str, Step]:
     }
 
 
+def peer_steps(inputs: Inputs) -> dict[str, Step]:
+    """Liger-Kernel's fused linear cross-entropy (C=16), eager and compiled, when installed: how a peer's
+    compiled / eager compares. Compiled without ``fullgraph`` (Dynamo traces its Python and Triton calls)."""
+    if importlib.util.find_spec("liger_kernel") is None:
+        print("liger rows skipped: liger_kernel is not installed")
+        return {}
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    x = inputs.x.detach().requires_grad_()
+    w = inputs.weight.detach().requires_grad_()
+    y = inputs.target
+
+    def loss_of(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return liger_fused_linear_cross_entropy(x, w, y, chunk_mem_const=16)
+
+    def stepper(fn: Callable[..., torch.Tensor]) -> Step:
+        def step() -> None:
+            fn(x, w, y).backward()
+            x.grad = None
+            w.grad = None
+
+        return step
+
+    return {"liger_eager": stepper(loss_of), "liger_compiled": stepper(torch.compile(loss_of))}
+
+
 def hf_steps(tokens: int, hidden: int, vocab: int) -> dict[str, Step]:
     """An apply_flce-patched two-layer Llama training step, eager and compiled; {} when unavailable."""
     try:
@@ -173,7 +202,8 @@ def run_shape(text: str) -> dict[str, Any]:
     inputs = make_inputs(tokens, hidden, vocab, logit_std=4.0)
     steps = loss_steps(inputs)
     record: dict[str, Any] = {"shape": text, "kernel_ms": kernel_ms(steps["eager"])}
-    record["forms"] = times_ms({**steps, **hf_steps(tokens, hidden, vocab), **touch_steps(inputs)})
+    forms = {**steps, **peer_steps(inputs), **hf_steps(tokens, hidden, vocab), **touch_steps(inputs)}
+    record["forms"] = times_ms(forms)
     from torch._dynamo.utils import counters
 
     record["cudagraph_skips"] = int(counters["inductor"]["cudagraph_skips"])  # a count
@@ -183,9 +213,8 @@ def run_shape(text: str) -> dict[str, Any]:
             continue
         form["wall_over_kernels"] = form["wall_ms"] / kernels
         form["pipelined_over_kernels"] = form["pipelined_ms"] / kernels
-        reference = record["forms"].get(
-            "hf_eager" if name.startswith("hf_") else "trivial_eager" if name.startswith("trivial_") else "eager"
-        )
+        family = name.rsplit("_", 1)[0] if name.startswith(("hf_", "trivial_", "liger_")) else ""
+        reference = record["forms"].get(f"{family}_eager" if family else "eager")
         if reference and "error" not in reference:
             form["wall_over_eager"] = form["wall_ms"] / reference["wall_ms"]
             form["pipelined_over_eager"] = form["pipelined_ms"] / reference["pipelined_ms"]
