@@ -25,9 +25,9 @@ __all__ = [
     "COUNT_AT", "GRAD_SCALES", "MASS_AT", "META_BAD", "META_POISON", "META_SIZE", "POISON_AT", "prepare_targets_",
 ]  # fmt: skip
 
-#: ``meta``'s layout: the position of each value (see above).
-META_BAD, META_MASS, META_COUNT, META_SCALE_CE, META_SCALE_Z, META_POISON = range(6)
 META_SIZE = 6
+#: ``meta``'s layout: the position of each value (see above).
+META_BAD, META_MASS, META_COUNT, META_SCALE_CE, META_SCALE_Z, META_POISON = range(META_SIZE)
 #: ``[scale_ce, scale_z]``, adjacent: the CE kernel reads a two-element slice of ``meta`` (ce, then z-loss).
 GRAD_SCALES = slice(META_SCALE_CE, META_SCALE_Z + 1)
 # The positions as the kernels read them (a Triton kernel reads a global only as a constexpr).
