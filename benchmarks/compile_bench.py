@@ -85,6 +85,22 @@ def times_ms(forms: dict[str, Step], pipelined: int = 20) -> dict[str, dict[str,
     return {name: results[name] for name in forms}
 
 
+def _leaf_step(
+    fn: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor, *rest: Any, graphs: bool = False
+) -> Step:
+    """One fwd+bwd of ``fn(x, w, *rest)`` with the leaves' gradients dropped after it (``graphs``: a
+    CUDA-graph step begins)."""
+
+    def step() -> None:
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        fn(x, w, *rest).backward()
+        x.grad = None
+        w.grad = None
+
+    return step
+
+
 def touch_steps(inputs: Inputs) -> dict[str, Step]:
     """A trivial fwd+bwd on the same tensors, eager and compiled: what torch.compile itself costs per call."""
     x = inputs.x.detach().requires_grad_()
@@ -93,15 +109,10 @@ def touch_steps(inputs: Inputs) -> dict[str, Step]:
     def touch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return x[:1].float().sum() + w[:1].float().sum()
 
-    def stepper(fn: Callable[..., torch.Tensor]) -> Step:
-        def step() -> None:
-            fn(x, w).backward()
-            x.grad = None
-            w.grad = None
-
-        return step
-
-    return {"trivial_eager": stepper(touch), "trivial_compiled": stepper(torch.compile(touch, fullgraph=True))}
+    return {
+        "trivial_eager": _leaf_step(touch, x, w),
+        "trivial_compiled": _leaf_step(torch.compile(touch, fullgraph=True), x, w),
+    }
 
 
 def loss_steps(inputs: Inputs) -> dict[str, Step]:
@@ -114,24 +125,16 @@ def loss_steps(inputs: Inputs) -> dict[str, Step]:
     def loss_of(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return fused_linear_cross_entropy(x, w, y)
 
-    def stepper(fn: Callable[..., torch.Tensor], graphs: bool = False) -> Step:
-        def step() -> None:
-            if graphs:
-                torch.compiler.cudagraph_mark_step_begin()
-            fn(x, w, y).backward()
-            x.grad = None
-            w.grad = None
-
-        return step
-
     # Static addresses: CUDA graphs would otherwise copy x and W into their own buffers every
     # replay (a parameter-sized copy an nn.Parameter, which a real model passes, never pays).
     torch._dynamo.mark_static_address(x)
     torch._dynamo.mark_static_address(w)
     return {
-        "eager": stepper(loss_of),
-        "compiled": stepper(torch.compile(loss_of, fullgraph=True)),
-        "reduce_overhead": stepper(torch.compile(loss_of, fullgraph=True, mode="reduce-overhead"), graphs=True),
+        "eager": _leaf_step(loss_of, x, w, y),
+        "compiled": _leaf_step(torch.compile(loss_of, fullgraph=True), x, w, y),
+        "reduce_overhead": _leaf_step(
+            torch.compile(loss_of, fullgraph=True, mode="reduce-overhead"), x, w, y, graphs=True
+        ),
     }
 
 
@@ -150,15 +153,7 @@ def peer_steps(inputs: Inputs) -> dict[str, Step]:
     def loss_of(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return liger_fused_linear_cross_entropy(x, w, y, chunk_mem_const=16)
 
-    def stepper(fn: Callable[..., torch.Tensor]) -> Step:
-        def step() -> None:
-            fn(x, w, y).backward()
-            x.grad = None
-            w.grad = None
-
-        return step
-
-    return {"liger_eager": stepper(loss_of), "liger_compiled": stepper(torch.compile(loss_of))}
+    return {"liger_eager": _leaf_step(loss_of, x, w, y), "liger_compiled": _leaf_step(torch.compile(loss_of), x, w, y)}
 
 
 def hf_steps(tokens: int, hidden: int, vocab: int) -> dict[str, Step]:
