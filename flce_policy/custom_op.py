@@ -376,7 +376,7 @@ def compiled_loss(
 
     rows, vocab_chunk, accum = 0, 0, ""
     if isinstance(policy, Geometry):
-        _check_geometry_matches(policy, x, weight, compute_dtype or x.dtype)
+        policy.check_tensors(x, weight, compute_dtype)
         rows, vocab_chunk, accum = policy.chunk_size, policy.vocab_chunk, policy.accum_dtype or ""
         key = DEFAULT_POLICY_KEY
     elif policy is None or isinstance(policy, FLCEPolicy):
@@ -404,14 +404,3 @@ def compiled_loss(
     loss, z_loss, accuracy, predicted = out[:4]
     entropy = out[7] if options.return_entropy else None
     return loss, z_loss, accuracy, predicted if options.return_predicted_tokens else None, entropy
-
-
-def _check_geometry_matches(geometry: Geometry, x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> None:
-    p = geometry.problem
-    if (p.tokens, p.hidden, p.vocab) != (x.shape[0], x.shape[1], weight.shape[0]) or p.dtype != str(dtype).removeprefix(
-        "torch."
-    ):
-        raise ValueError(
-            f"geometry was made for {p.describe()} but the tensors are BT={x.shape[0]} H={x.shape[1]} "
-            f"V={weight.shape[0]} {dtype}; resolve a geometry for this problem"
-        )

@@ -134,6 +134,17 @@ class Geometry(BaseModel):
             updates["rule"] = rule
         return self.model_copy(update=updates)
 
+    def check_tensors(self, x: Any, weight: Any, dtype: Any = None) -> None:
+        """Raise ValueError unless ``x [BT, H]`` and ``weight [V, H]``, with logits in ``dtype`` (default
+        ``x``'s), are the problem this geometry was made for."""
+        p = self.problem
+        actual = (x.shape[0], x.shape[1], weight.shape[0], normalise_dtype(x.dtype if dtype is None else dtype))
+        if (p.tokens, p.hidden, p.vocab, p.dtype) != actual:
+            raise ValueError(
+                f"geometry was made for {p.describe()} but the tensors are BT={actual[0]} H={actual[1]} "
+                f"V={actual[2]} {actual[3]}; resolve a geometry for this problem"
+            )
+
     def describe(self) -> str:
         tiles = "" if self.is_row_only else f" x {self.num_vocab_chunks} vocab tiles of {self.vocab_chunk}"
         accum = "" if self.accum_dtype is None else f", grad_weight accumulated in {self.accum_dtype}"

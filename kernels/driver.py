@@ -161,16 +161,6 @@ def notify(event: ChunkEvent) -> None:
         observer(event)
 
 
-def _check_geometry(geometry: Geometry, x: torch.Tensor, weight: torch.Tensor) -> None:
-    p = geometry.problem
-    actual = (x.shape[0], x.shape[1], weight.shape[0], str(x.dtype).removeprefix("torch."))
-    if (p.tokens, p.hidden, p.vocab, p.dtype) != actual:
-        raise ValueError(
-            f"geometry was made for {p.describe()} but the tensors are BT={actual[0]} H={actual[1]} "
-            f"V={actual[2]} {actual[3]}; resolve a geometry for this problem"
-        )
-
-
 def run_geometry(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -191,7 +181,7 @@ def run_geometry(
     scale_z]``, or per row with ``scale_per_row``); it is required when ``grads.any``. The
     returned gradients are of the scaled loss. No host synchronisation happens here.
     """
-    _check_geometry(geometry, x, weight)
+    geometry.check_tensors(x, weight)
     tokens, vocab = x.shape[0], weight.shape[0]
     device, f32 = x.device, torch.float32
     weight_dtype = grads.weight_dtype or weight.dtype

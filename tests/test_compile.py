@@ -252,6 +252,18 @@ def test_strategy_policy_under_compile_names_the_fix():
         compiled(inputs["x"], inputs["w"], inputs["y"])
 
 
+def test_geometry_for_another_problem_under_compile_says_so():
+    """A Geometry is checked against the traced shapes and dtype, with the eager path's message."""
+    made_for = Geometry.for_problem(Problem(BT + 1, H, V, "float32"), 8)
+    compiled = torch.compile(
+        lambda x, w, y: fused_linear_cross_entropy(x, w, y, policy=made_for), fullgraph=True, backend="aot_eager"
+    )
+    inputs = make_inputs()
+    with pytest.raises(Exception, match=rf"geometry was made for BT={BT + 1} H={H} V={V} float32 but the tensors "
+                       rf"are BT={BT} H={H} V={V} float32"):  # fmt: skip
+        compiled(inputs["x"], inputs["w"], inputs["y"])
+
+
 # --------------------------------------------------------------------------- bad targets
 
 
