@@ -10,6 +10,9 @@ fwd+bwd of the loss (x and W needing grad) in four forms, measured in one run:
   the integration are installed (shape's H and V, 4 heads of 2 layers; a training step);
 - ``liger_eager`` / ``liger_compiled``: Liger-Kernel's fused linear cross-entropy (C=16), when
   installed, eager and ``torch.compile`` (no ``fullgraph``): a peer's compiled / eager;
+- ``scaled_eager`` / ``scaled_compiled``: the loss's eager and compiled steps with ``grad_output``
+  0.5 (a loss divided for gradient accumulation, or scaled by a GradScaler): eager then scales the
+  gradients too, which it skips when ``grad_output`` is 1 and the compiled backward cannot;
 - ``trivial_eager`` / ``trivial_compiled``: a one-element fwd+bwd on the same tensors, whose
   difference is what ``torch.compile``'s own wrappers cost per call, whatever the function.
 
@@ -86,15 +89,20 @@ def times_ms(forms: dict[str, Step], pipelined: int = 20) -> dict[str, dict[str,
 
 
 def _leaf_step(
-    fn: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor, *rest: Any, graphs: bool = False
+    fn: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    w: torch.Tensor,
+    *rest: Any,
+    graphs: bool = False,
+    grad_output: torch.Tensor | None = None,
 ) -> Step:
     """One fwd+bwd of ``fn(x, w, *rest)`` with the leaves' gradients dropped after it (``graphs``: a
-    CUDA-graph step begins)."""
+    CUDA-graph step begins; ``grad_output``: the backward's seed, 1 when None)."""
 
     def step() -> None:
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        fn(x, w, *rest).backward()
+        fn(x, w, *rest).backward(grad_output)
         x.grad = None
         w.grad = None
 
@@ -129,12 +137,16 @@ def loss_steps(inputs: Inputs) -> dict[str, Step]:
     # replay (a parameter-sized copy an nn.Parameter, which a real model passes, never pays).
     torch._dynamo.mark_static_address(x)
     torch._dynamo.mark_static_address(w)
+    compiled = torch.compile(loss_of, fullgraph=True)
+    half = torch.full((), 0.5, device=x.device)
     return {
         "eager": _leaf_step(loss_of, x, w, y),
-        "compiled": _leaf_step(torch.compile(loss_of, fullgraph=True), x, w, y),
+        "compiled": _leaf_step(compiled, x, w, y),
         "reduce_overhead": _leaf_step(
             torch.compile(loss_of, fullgraph=True, mode="reduce-overhead"), x, w, y, graphs=True
         ),
+        "scaled_eager": _leaf_step(loss_of, x, w, y, grad_output=half),
+        "scaled_compiled": _leaf_step(compiled, x, w, y, grad_output=half),
     }
 
 
@@ -208,7 +220,7 @@ def run_shape(text: str) -> dict[str, Any]:
             continue
         form["wall_over_kernels"] = form["wall_ms"] / kernels
         form["pipelined_over_kernels"] = form["pipelined_ms"] / kernels
-        family = name.rsplit("_", 1)[0] if name.startswith(("hf_", "trivial_", "liger_")) else ""
+        family = name.rsplit("_", 1)[0] if name.startswith(("hf_", "trivial_", "liger_", "scaled_")) else ""
         reference = record["forms"].get(f"{family}_eager" if family else "eager")
         if reference and "error" not in reference:
             form["wall_over_eager"] = form["wall_ms"] / reference["wall_ms"]
