@@ -46,10 +46,20 @@ def make_model(family: str, tied: bool, s: dict) -> torch.nn.Module:
     import transformers
 
     config = transformers.AutoConfig.for_model(
-        family, vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["inter"],
-        num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv"],
-        head_dim=s["head_dim"], max_position_embeddings=max(64, s["seq"]), pad_token_id=0, bos_token_id=1,
-        eos_token_id=2, tie_word_embeddings=tied, **FAMILIES[family],
+        family,
+        vocab_size=s["vocab"],
+        hidden_size=s["hidden"],
+        intermediate_size=s["inter"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv"],
+        head_dim=s["head_dim"],
+        max_position_embeddings=max(64, s["seq"]),
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=tied,
+        **FAMILIES[family],
     )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).float()
@@ -239,17 +249,31 @@ def run_trainer(family: str, tied: bool, s: dict, device: torch.device, steps: i
         if patch:
             apply_flce(model)
         args = TrainingArguments(
-            output_dir=str(out / "trainer"), per_device_train_batch_size=s["batch"], max_steps=steps,
-            learning_rate=LR, logging_steps=1, report_to=[], save_strategy="no", bf16=device.type == "cuda",
-            deepspeed=config, use_cpu=device.type == "cpu", lr_scheduler_type="constant", dataloader_num_workers=0,
-            seed=0, data_seed=0,
+            output_dir=str(out / "trainer"),
+            per_device_train_batch_size=s["batch"],
+            max_steps=steps,
+            learning_rate=LR,
+            logging_steps=1,
+            report_to=[],
+            save_strategy="no",
+            bf16=device.type == "cuda",
+            deepspeed=config,
+            use_cpu=device.type == "cpu",
+            lr_scheduler_type="constant",
+            dataloader_num_workers=0,
+            seed=0,
+            data_seed=0,
         )
         spy = Losses()
         Trainer(model=model, args=args, train_dataset=rows, callbacks=[spy]).train()
         losses.append(spy.losses)
     worst = max(rel(p, r) for p, r in zip(losses[1], losses[0], strict=True)) if losses[0] else float("inf")
-    return {"losses_hf": losses[0], "losses_flce": losses[1], "max_step_loss_rel_diff": worst,
-            "ok": len(losses[0]) == steps and worst <= LOSS_RTOL}
+    return {
+        "losses_hf": losses[0],
+        "losses_flce": losses[1],
+        "max_step_loss_rel_diff": worst,
+        "ok": len(losses[0]) == steps and worst <= LOSS_RTOL,
+    }
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -259,8 +283,9 @@ def init_single_rank(cuda: bool) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                      LOCAL_WORLD_SIZE="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1"
+    )
     if cuda:
         torch.cuda.set_device(0)
     dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
@@ -302,11 +327,17 @@ def main() -> int:
                 failures += not result["ok"]
                 detail = result.get("error") or (
                     f"max step loss rel diff {result['max_step_loss_rel_diff']:.2e}"
-                    + (f", lm_head grad rel L2 {result['lm_head_grad_rel_l2_step0']:.2e}"
-                       if result.get("lm_head_grad_rel_l2_step0") is not None else "")
-                    + ("; HF vs HF on the batch rotated by 1, 2, ...: "
-                       + ", ".join(f"{f:.2e}" for f in result["hf_vs_hf_rotated_max_rel_diff"])
-                       if result.get("hf_vs_hf_rotated_max_rel_diff") else "")
+                    + (
+                        f", lm_head grad rel L2 {result['lm_head_grad_rel_l2_step0']:.2e}"
+                        if result.get("lm_head_grad_rel_l2_step0") is not None
+                        else ""
+                    )
+                    + (
+                        "; HF vs HF on the batch rotated by 1, 2, ...: "
+                        + ", ".join(f"{f:.2e}" for f in result["hf_vs_hf_rotated_max_rel_diff"])
+                        if result.get("hf_vs_hf_rotated_max_rel_diff")
+                        else ""
+                    )
                 )
                 print(f"{'PASS' if result['ok'] else 'FAIL'} {name}: {detail} ({result['seconds']:.1f}s)", flush=True)
                 (args.out / "sharded_heads.json").write_text(json.dumps(report, indent=1))

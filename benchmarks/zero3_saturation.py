@@ -143,8 +143,11 @@ def run_child(tokens: int, steps: int, out: Path) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "zero_optimization": {
-            "stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
-            "stage3_prefetch_bucket_size": 0, "reduce_bucket_size": 50_000_000,
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_max_reuse_distance": 0,
+            "stage3_prefetch_bucket_size": 0,
+            "reduce_bucket_size": 50_000_000,
         },
         # fp32 weights, bf16 compute: DeepSpeed's own autocast (it switches off an autocast opened outside it)
         "torch_autocast": {"enabled": True, "dtype": "bfloat16"},
@@ -211,8 +214,12 @@ def run_child(tokens: int, steps: int, out: Path) -> dict:
                 record["head_call_ms"] = sum(timed_head) / len(timed_head)
         if ran:
             geo = ran[-1]
-            record["geometry"] = {"chunk_size": geo.chunk_size, "num_chunks": geo.num_chunks,
-                                  "vocab_chunk": geo.vocab_chunk, "slab_GiB": geo.slab_bytes / GIB}
+            record["geometry"] = {
+                "chunk_size": geo.chunk_size,
+                "num_chunks": geo.num_chunks,
+                "vocab_chunk": geo.vocab_chunk,
+                "slab_GiB": geo.slab_bytes / GIB,
+            }
         if loss is not None and record["outcome"] == "completed":
             record["loss"] = loss.item()
             timed = times[1:] or times
@@ -244,18 +251,31 @@ def run_child(tokens: int, steps: int, out: Path) -> dict:
             if name == "fixed 2048 rows" and not saturated and saturate is not None and saturate.need:
                 measured["need_2048"] = saturate.need
         except Exception as e:
-            records.append({"case": name, "saturated": saturated, "outcome": f"error: {type(e).__name__}: {e}",
-                            "traceback": traceback.format_exc()})
+            records.append(
+                {
+                    "case": name,
+                    "saturated": saturated,
+                    "outcome": f"error: {type(e).__name__}: {e}",
+                    "traceback": traceback.format_exc(),
+                }
+            )
     flce_autograd.run_with_oom_fallback = original_run
     return {
-        "tokens": tokens, "vocab": vocab, "hidden": hidden, "device": repr(device_for_tensor_device(device)),
+        "tokens": tokens,
+        "vocab": vocab,
+        "hidden": hidden,
+        "device": repr(device_for_tensor_device(device)),
         "leave_GiB": measured.get("leave", leave) / GIB if cuda else None,
         "leave_from": "measured need of the unconstrained 2048-row call less a quarter slab"
-        if "leave" in measured else "memory model",
+        if "leave" in measured
+        else "memory model",
         "need_2048_GiB": measured["need_2048"] / GIB if "need_2048" in measured else None,
-        "leave_terms_GiB": {"held_beside_slab_fp32_accum": held_beside_slab(problem, accum_dtype="float32") / GIB,
-                            "autocast_bf16_head": autocast_copy / GIB, "gathered_fp32_head": gathered_head / GIB,
-                            "0.75_slab_2048": 0.75 * slab_2048 / GIB},
+        "leave_terms_GiB": {
+            "held_beside_slab_fp32_accum": held_beside_slab(problem, accum_dtype="float32") / GIB,
+            "autocast_bf16_head": autocast_copy / GIB,
+            "gathered_fp32_head": gathered_head / GIB,
+            "0.75_slab_2048": 0.75 * slab_2048 / GIB,
+        },
         "cases": records,
     }
 
@@ -318,10 +338,13 @@ def main() -> int:
             failures += 1
             continue
         result = json.loads(path.read_text())
-        print(f"tokens={tokens} V={result['vocab']} H={result['hidden']}: leave "
-              f"{result['leave_GiB'] if result['leave_GiB'] is None else round(result['leave_GiB'], 3)} GiB "
-              f"({result['leave_from']}; need of 2048 rows {result['need_2048_GiB']}) "
-              f"{result['leave_terms_GiB']}", flush=True)
+        print(
+            f"tokens={tokens} V={result['vocab']} H={result['hidden']}: leave "
+            f"{result['leave_GiB'] if result['leave_GiB'] is None else round(result['leave_GiB'], 3)} GiB "
+            f"({result['leave_from']}; need of 2048 rows {result['need_2048_GiB']}) "
+            f"{result['leave_terms_GiB']}",
+            flush=True,
+        )
         for ok, line in verdict(result, cuda):
             print(f"{'PASS' if ok else 'FAIL'} {line}", flush=True)
             failures += not ok

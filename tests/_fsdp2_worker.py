@@ -71,9 +71,11 @@ def shard(model: torch.nn.Module, mesh, v: Variant) -> None:
 
 def build(v: Variant, mesh, *, patched: bool, fsdp_bf16: bool | None = None):
     torch.manual_seed(0)  # the same weights on every rank and in every copy
-    model = __import__("transformers").AutoModelForCausalLM.from_config(
-        tiny_config("llama", tie_word_embeddings=v.tied)
-    ).float()
+    model = (
+        __import__("transformers")
+        .AutoModelForCausalLM.from_config(tiny_config("llama", tie_word_embeddings=v.tied))
+        .float()
+    )
     model.train()
     v = v if fsdp_bf16 is None else dataclasses.replace(v, bf16=fsdp_bf16)
     if patched and v.patch_first:
@@ -128,8 +130,11 @@ def run_variant(v: Variant, mesh, rank: int, checks: list) -> None:
             check(f"step {it}: bf16 loss vs fp32 (HF bf16 {hf_err:.2e})", rel_err(got.loss, exact.loss), bound)
             for name, g in grads_truth.items():
                 hf_err = rel_err(grads_ref[name], g)
-                check(f"step {it}: bf16 grad {name} vs fp32 (HF bf16 {hf_err:.2e})", rel_err(grads[name], g),
-                      2 * hf_err + 1e-2)
+                check(
+                    f"step {it}: bf16 grad {name} vs fp32 (HF bf16 {hf_err:.2e})",
+                    rel_err(grads[name], g),
+                    2 * hf_err + 1e-2,
+                )
             opt_truth.step()
             opt_truth.zero_grad()
         for opt in (opt_ref, opt_patched):
@@ -151,7 +156,10 @@ def run_variant(v: Variant, mesh, rank: int, checks: list) -> None:
 def main() -> None:
     rank, world, port, out_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
         timeout=datetime.timedelta(seconds=120),
     )
     mesh = init_device_mesh("cpu", (world,))

@@ -41,7 +41,10 @@ def _results(tmp: str) -> list[dict]:
     procs = [
         subprocess.Popen(
             [sys.executable, str(WORKER), str(r), str(WORLD), str(port), str(paths[r])],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for r in range(WORLD)
     ]

@@ -31,8 +31,16 @@ def test_partitioned_weight_raises_a_clear_error_not_a_shape_error():
     with pytest.raises(TypeError) as err:
         fused_linear_cross_entropy(torch.randn(4, 16), weight, torch.zeros(4, dtype=torch.long))
     message = str(err.value)
-    for fragment in ("weight as a DeepSpeed ZeRO-3 partitioned parameter", "ds_id 7", "NOT_AVAILABLE",
-                     "full shape (96, 16)", "local shape (0,)", "GatheredParameters", "apply_flce", "tp_group"):
+    for fragment in (
+        "weight as a DeepSpeed ZeRO-3 partitioned parameter",
+        "ds_id 7",
+        "NOT_AVAILABLE",
+        "full shape (96, 16)",
+        "local shape (0,)",
+        "GatheredParameters",
+        "apply_flce",
+        "tp_group",
+    ):
         assert fragment in message, fragment
     bias = zero3_param((96,), "INFLIGHT")
     with pytest.raises(TypeError, match=r"got bias as a DeepSpeed ZeRO-3 partitioned parameter .*INFLIGHT"):

@@ -23,8 +23,17 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "sharded_heads.py"
 
 def test_zero3_engine_and_trainer_match_hf(tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(SCRIPT), str(tmp_path), "--cases", "zero3,trainer_zero3", "--steps", "3",
-           "--trainer-steps", "2"]
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        str(tmp_path),
+        "--cases",
+        "zero3,trainer_zero3",
+        "--steps",
+        "3",
+        "--trainer-steps",
+        "2",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     report = json.loads((tmp_path / "sharded_heads.json").read_text())
     failed = [r for r in report["results"] if not r["ok"]]
