@@ -31,7 +31,9 @@ from flce_policy.oom import DEFAULT_OOM_FALLBACK, OOMFallback
 from flce_policy.options import LossOptions
 from flce_policy.targets import TargetCheck
 
-__all__ = ["FLCEFunction", "ForwardResult", "autocast_off", "forward_pass", "recompute_grads", "rescale"]
+__all__ = [
+    "FLCEFunction", "ForwardResult", "autocast_off", "forward_pass", "grad_request", "recompute_grads", "rescale",
+]  # fmt: skip
 
 
 def _ce_params(options: LossOptions) -> CEParams:
@@ -74,13 +76,9 @@ class FLCEFunction(torch.autograd.Function):
         targets: TargetCheck | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         # needs_input_grad ignores torch.no_grad(): the caller's grad mode is passed in.
-        want = GradRequest(
-            input=grad_enabled and ctx.needs_input_grad[0],
-            weight=grad_enabled and ctx.needs_input_grad[1],
-            bias=grad_enabled and bias is not None and ctx.needs_input_grad[2],
-            accum_dtype=options.accum_dtype,
-            weight_dtype=None if compute_dtype is None else weight.dtype,
-        )
+        needs = ctx.needs_input_grad
+        wants = (grad_enabled and needs[0], grad_enabled and needs[1], grad_enabled and needs[2])
+        want = grad_request(wants, weight, bias, options, compute_dtype)
         ctx.compute_dtype = compute_dtype
         with autocast_off(x.device.type):
             return _forward(ctx, x, weight, bias, target, class_weight, geometry, options, want, fallback, targets)
@@ -98,6 +96,25 @@ class FLCEFunction(torch.autograd.Function):
             grads = rescale(grads, grad_loss)
         grad_input, grad_weight, grad_bias = grads
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None, None
+
+
+def grad_request(
+    wants: tuple[bool, bool, bool],
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    options: LossOptions,
+    compute_dtype: torch.dtype | None,
+) -> GradRequest:
+    """The gradients a call produces: those wanted (input, weight, bias; bias only when given), accumulated
+    as ``options`` say, grad_weight returned in the weight's own dtype when ``compute_dtype`` casts it."""
+    want_input, want_weight, want_bias = wants
+    return GradRequest(
+        input=want_input,
+        weight=want_weight,
+        bias=want_bias and bias is not None,
+        accum_dtype=options.accum_dtype,
+        weight_dtype=None if compute_dtype is None else weight.dtype,
+    )
 
 
 _NOTHING_TO_SWITCH_OFF = contextlib.nullcontext()

@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from flce_policy.autograd import autocast_off, forward_pass, recompute_grads
+from flce_policy.autograd import autocast_off, forward_pass, grad_request, recompute_grads
 from flce_policy.geometry import Geometry
 from flce_policy.kernels.driver import GradRequest
 from flce_policy.loss import _geometry_for, _problem
@@ -117,14 +117,7 @@ class _Config:
         found = self._followed.get(key)
         if found is None:
             options = self.options if geometry is None else self.options.following(geometry)
-            want = GradRequest(
-                input=self.wants[0],
-                weight=self.wants[1],
-                bias=self.wants[2] and bias is not None,
-                accum_dtype=options.accum_dtype,
-                weight_dtype=None if self.compute_dtype is None else weight.dtype,
-            )
-            found = self._followed[key] = (options, want)
+            found = self._followed[key] = (options, grad_request(self.wants, weight, bias, options, self.compute_dtype))
         return found
 
 
