@@ -40,6 +40,7 @@ from flce_policy.units import parse_bytes
 
 __all__ = [
     "CONFIG_VERSION",
+    "MAX_NESTING",
     "RULE_KEYS",
     "ConfigError",
     "RuleConfig",
@@ -50,6 +51,10 @@ __all__ = [
 ]
 
 CONFIG_VERSION = 1
+#: The deepest nesting of mappings and lists a policy accepts. A real file nests a few levels (a
+#: rule, its cap strategy, that one's rates); a deeper one is a mistake, and walking it would
+#: only exhaust Python's recursion limit somewhere less clear.
+MAX_NESTING = 32
 #: Keys a ``devices`` entry understands besides the parameters of its strategy.
 RULE_KEYS = ("match", "min_total_memory", "max_total_memory", "strategy")
 _TOP_KEYS = ("version", "oom_fallback", "min_chunk_size", "default", "devices")
@@ -162,6 +167,9 @@ def parse_config(data: Any, *, source: str = "<dict>") -> PolicyConfig:
         raise ConfigError(source, [("", f"the file is empty; a policy needs at least 'version: {CONFIG_VERSION}'")])
     if not isinstance(data, dict):
         raise ConfigError(source, [("", f"expected a mapping at the top level, got {_type_name(data)}")])
+    too_deep = _too_deep(data)
+    if too_deep is not None:
+        raise ConfigError(source, [(_key_path(too_deep), f"nested more than {MAX_NESTING} levels deep")])
     problems: list[tuple[str, str]] = []
     top = _validate(_TopLevel, data, (), problems)
     if top is None:
@@ -181,6 +189,20 @@ def parse_config(data: Any, *, source: str = "<dict>") -> PolicyConfig:
     if problems:
         raise ConfigError(source, problems)
     return PolicyConfig(default, rules, top.oom_fallback, top.min_chunk_size)
+
+
+def _too_deep(data: Any) -> tuple | None:
+    """The key path of a value nested deeper than :data:`MAX_NESTING`, else None (walked without recursion)."""
+    stack: list[tuple[Any, tuple]] = [(data, ())]
+    while stack:
+        value, loc = stack.pop()
+        if len(loc) > MAX_NESTING:
+            return loc
+        if isinstance(value, dict):
+            stack.extend((v, (*loc, str(k))) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((v, (*loc, i)) for i, v in enumerate(value))
+    return None
 
 
 def _validate(model: type[BaseModel], raw: Any, loc: tuple, problems: list[tuple[str, str]]) -> Any:
@@ -296,6 +318,10 @@ def load_yaml_text(text: str, *, source: str = "<string>") -> Any:
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(err, "problem", None) or str(err)
         raise ConfigError(source, [(where, f"YAML syntax error: {problem}")]) from None
+    except RecursionError:  # the YAML parser recurses once per level of nesting
+        raise ConfigError(
+            source, [("", f"nested too deeply to read (a policy needs at most {MAX_NESTING} levels)")]
+        ) from None
 
 
 def load_yaml_file(path: str | Path, *, source: str | None = None) -> Any:

@@ -80,6 +80,10 @@ class DeviceInfo(BaseModel):
     @classmethod
     def synthetic(cls, family: str) -> DeviceInfo:
         """A known GPU (nominal figures) for planning on a machine without it: ``synthetic("H100")``."""
+        if not isinstance(family, str):
+            raise TypeError(
+                f"DeviceInfo.synthetic(family): family must be a GPU family name such as 'H100', got {family!r}"
+            )
         gpu = _BY_FAMILY.get(family.strip().lower())
         if gpu is None:
             known = ", ".join(g.family for g in KNOWN_GPUS)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
@@ -21,7 +21,7 @@ from flce_policy.geometry import Geometry
 from flce_policy.memory import gathered_head_bytes, predict_peak
 from flce_policy.oom import DEFAULT_MIN_CHUNK_SIZE, OOMFallback
 from flce_policy.problem import Problem
-from flce_policy.strategies import ChunkStrategy, HeuristicC
+from flce_policy.strategies import ChunkStrategy, HeuristicC, checked_geometry
 from flce_policy.units import format_bytes, parse_bytes
 
 __all__ = ["CONFIG_ENV_VAR", "DEFAULT_RULE", "DeviceRule", "FLCEPolicy"]
@@ -48,7 +48,7 @@ class _AskEachCall(NamedTuple):
     ceiling: Geometry | None = None
 
     def geometry(self, problem: Problem, device: DeviceInfo) -> Geometry:
-        geometry = self.strategy.geometry(problem, device, rule=self.rule)
+        geometry = checked_geometry(self.strategy, problem, device, rule=self.rule)
         if self.ceiling is not None and geometry.chunk_size > self.ceiling.chunk_size:
             return self.ceiling
         return geometry
@@ -75,6 +75,7 @@ class DeviceRule:
         if not isinstance(self.strategy, ChunkStrategy):
             raise TypeError(f"DeviceRule.strategy must be a ChunkStrategy, got {self.strategy!r}")
         self.strategy.validate_params()
+        self.strategy.get_params()  # a parameter kept under another name is refused here, not at first use
         low = None if self.min_total_memory is None else parse_bytes(self.min_total_memory)
         high = None if self.max_total_memory is None else parse_bytes(self.max_total_memory)
         if low is not None and high is not None and low > high:
@@ -141,6 +142,9 @@ class FLCEPolicy:
         if not isinstance(self.default_strategy, ChunkStrategy):
             raise TypeError(f"default must be a ChunkStrategy, got {self.default_strategy!r}")
         self.default_strategy.validate_params()
+        self.default_strategy.get_params()  # a parameter kept under another name is refused here, not at first use
+        if isinstance(rules, (str, bytes, DeviceRule)) or not isinstance(rules, Iterable):
+            raise TypeError(f"rules must be a list of DeviceRule objects, got {rules!r}")
         self.rules: tuple[DeviceRule, ...] = tuple(rules)
         for rule in self.rules:
             if not isinstance(rule, DeviceRule):
@@ -239,10 +243,15 @@ class FLCEPolicy:
         if device is None:
             device = self._probe()
         key = (problem, device)
-        entry = self._cache.get(key)
+        entry = self._cache.get(key) if isinstance(problem, Problem) else None  # a list is unhashable
         if entry is None:
+            _check_resolve_args(problem, device)
             rule, strategy = self.resolve_rule(device)
-            entry = _AskEachCall(rule, strategy) if strategy.dynamic else strategy.geometry(problem, device, rule=rule)
+            entry = (
+                _AskEachCall(rule, strategy)
+                if strategy.dynamic
+                else checked_geometry(strategy, problem, device, rule=rule)
+            )
             self._store(key, entry)
         if type(entry) is _AskEachCall:
             return entry.geometry(problem, device)
@@ -406,6 +415,21 @@ class FLCEPolicy:
         return (
             f"FLCEPolicy(default={self.default_strategy!r}, rules={list(self.rules)!r}, "
             f"oom_fallback={self.oom_fallback!r}, min_chunk_size={self.min_chunk_size!r}, source={self.source!r})"
+        )
+
+
+def _check_resolve_args(problem: Any, device: Any) -> None:
+    """Refuse what is not a Problem and a DeviceInfo, naming what was given (checked on a cache miss only)."""
+    if not isinstance(problem, Problem):
+        raise TypeError(
+            f"resolve(problem, device): problem must be a flce_policy.Problem, e.g. Problem(tokens=8192, hidden=4096, "
+            f"vocab=128256), or Problem.from_tensors(input, weight); got {type(problem).__name__} {problem!r:.80}"
+        )
+    if not isinstance(device, DeviceInfo):
+        hint = f"; for a known GPU family write DeviceInfo.synthetic({device!r})" if isinstance(device, str) else ""
+        raise TypeError(
+            f"resolve(problem, device): device must be a flce_policy.DeviceInfo or None (probed), "
+            f"got {type(device).__name__} {device!r:.80}{hint}"
         )
 
 

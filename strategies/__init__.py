@@ -1,6 +1,6 @@
 """Pluggable chunk strategies: each decides the row chunk size for a (problem, device)."""
 
-from .base import ChunkStrategy, StrategyError
+from .base import ChunkStrategy, StrategyError, checked_geometry
 from .fastest import Fastest
 from .fixed_chunk_size import FixedChunkSize
 from .free_memory import FreeMemory, NotEnoughFreeMemoryError
@@ -11,6 +11,7 @@ from .slab_budget import SlabBudget
 __all__ = [
     "ChunkStrategy",
     "StrategyError",
+    "checked_geometry",
     "HeuristicC",
     "FixedChunkSize",
     "SlabBudget",

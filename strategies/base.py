@@ -13,7 +13,7 @@ from flce_policy.geometry import Geometry
 from flce_policy.problem import Problem
 from flce_policy.units import prev_pow2
 
-__all__ = ["ChunkStrategy", "StrategyError"]
+__all__ = ["ChunkStrategy", "StrategyError", "checked_geometry"]
 
 
 class StrategyError(ValueError):
@@ -82,7 +82,18 @@ class ChunkStrategy(ABC):
 
     def get_params(self) -> dict[str, Any]:
         """The constructor parameters, read back from the attributes of the same names."""
-        return {name: getattr(self, name) for name in self.param_names()}
+        params = {}
+        for name in self.param_names():
+            try:
+                params[name] = getattr(self, name)
+            except AttributeError:
+                raise TypeError(
+                    f"{type(self).__qualname__}.__init__ takes a parameter {name!r} but the object has no attribute "
+                    f"{name!r}: a ChunkStrategy keeps each constructor parameter under its own name "
+                    f"(self.{name} = {name}) so get_params, repr and the YAML round-trip can read it back; "
+                    "or override get_params"
+                ) from None
+        return params
 
     @classmethod
     def config_name(cls) -> str:
@@ -112,6 +123,21 @@ class ChunkStrategy(ABC):
 
     def __hash__(self) -> int:
         return hash((type(self), self.params_key()))
+
+
+def checked_geometry(
+    strategy: ChunkStrategy, problem: Problem, device: DeviceInfo, *, rule: str | None = None
+) -> Geometry:
+    """``strategy.geometry(...)``, refusing an answer that is not a Geometry (a subclass overriding
+    ``geometry`` wrongly) where it is asked, instead of an AttributeError deep in the loss."""
+    geometry = strategy.geometry(problem, device, rule=rule)
+    if not isinstance(geometry, Geometry):
+        raise TypeError(
+            f"{type(strategy).__qualname__}.geometry() returned {type(geometry).__name__} {geometry!r:.80}, "
+            "not a flce_policy.Geometry; override pick_chunk_size to return rows, or return "
+            "Geometry.for_problem(problem, chunk_size, ...) from geometry"
+        )
+    return geometry
 
 
 @functools.lru_cache(maxsize=256)

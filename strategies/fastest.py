@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from flce_policy.cost_model import DeviceRates, predict_seconds, rates_for
@@ -62,10 +63,7 @@ class Fastest(ChunkStrategy):
         if self.accum not in _ACCUMS:
             raise StrategyError(f"fastest: accum must be 'bf16' or 'fp32', got {self.accum!r}", param="accum")
         if self.rates is not None:
-            try:
-                DeviceRates(**self.rates)
-            except TypeError as err:
-                raise StrategyError(f"fastest: rates: {err}", param="rates") from None
+            _checked_rates(self.rates)
 
     def candidates(self, problem: Problem) -> list[Geometry]:
         """Every geometry considered, slab within ``max_slab``."""
@@ -97,12 +95,19 @@ class Fastest(ChunkStrategy):
         return _ACCUMS[self.accum]
 
     def planned_rates(self, device: DeviceInfo) -> DeviceRates:
-        return DeviceRates(**self.rates) if self.rates else rates_for(device)
+        return _checked_rates(self.rates) if self.rates else rates_for(device)
 
     def rank(self, problem: Problem, device: DeviceInfo) -> list[tuple[float, Geometry]]:
         """(predicted seconds, geometry), fastest first."""
         rates = self.planned_rates(device)
         scored = [(predict_seconds(g, rates).seconds, g) for g in self.candidates(problem)]
+        if not math.isfinite(min(seconds for seconds, _ in scored)):
+            # rates so small that every prediction overflows: no ranking is left to make
+            raise StrategyError(
+                f"fastest: rates: the predicted time of {problem.describe()} overflows at {self.rates!r}; "
+                "give rates in FLOP/s and bytes/s, e.g. {matmul_flops: 7.0e+14, hbm_bytes_per_s: 4.6e+12}",
+                param="rates",
+            )
         return sorted(scored, key=lambda item: (item[0], item[1].slab_bytes))
 
     def geometry(self, problem: Problem, device: DeviceInfo, *, rule: str | None = None) -> Geometry:
@@ -115,6 +120,53 @@ class Fastest(ChunkStrategy):
 
     def get_params(self) -> dict[str, Any]:
         return {"max_slab": self.max_slab, "accum": self.accum, "max_peak": self.max_peak, "rates": self.rates}
+
+
+def _checked_rates(rates: Any) -> DeviceRates:
+    """``rates`` as :class:`DeviceRates`, each a finite positive number (efficiencies at most 1).
+
+    A number written ``7.0e14`` is read from YAML as a string (YAML 1.1 wants ``7.0e+14``), so a
+    string that reads as a number is taken as that number.
+    """
+    if not isinstance(rates, dict):
+        raise StrategyError(
+            f"fastest: rates must be a mapping such as {{matmul_flops: 7.0e+14, hbm_bytes_per_s: 4.6e+12}}, "
+            f"got {rates!r}",
+            param="rates",
+        )
+    known = DeviceRates._fields
+    required = [name for name in known if name not in DeviceRates._field_defaults]
+    unknown = [key for key in rates if key not in known]
+    missing = [name for name in required if name not in rates]
+    if unknown or missing:
+        what = f"unknown key(s) {', '.join(map(repr, unknown))}" if unknown else ""
+        what += ("; " if what else "") + (f"missing {', '.join(missing)}" if missing else "")
+        raise StrategyError(f"fastest: rates: {what}; the keys are {', '.join(known)}", param="rates")
+    return DeviceRates(**{key: _rate(key, value) for key, value in rates.items()})
+
+
+def _rate(key: str, value: Any) -> float:
+    """One rate as a float; StrategyError naming ``rates.<key>`` when it is not a number in its range."""
+    number = None
+    if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except ValueError:  # a string that is not a number
+            pass
+        except OverflowError:  # an int beyond any float
+            number = math.inf
+    if number is None:
+        raise StrategyError(f"fastest: rates.{key} must be a number, got {value!r}", param="rates")
+    # a latency may be 0 (nothing divides by it); every other rate divides a count of FLOPs or bytes
+    if key == "collective_latency_s":
+        wanted, ok = "finite and >= 0", number >= 0
+    elif key.endswith("_efficiency"):
+        wanted, ok = "a fraction in (0, 1]", 0 < number <= 1
+    else:
+        wanted, ok = "finite and positive", number > 0
+    if not (ok and math.isfinite(number)):
+        raise StrategyError(f"fastest: rates.{key} must be {wanted}, got {value!r}", param="rates")
+    return number
 
 
 def _powers_of_two(limit: int) -> list[int]:

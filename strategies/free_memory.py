@@ -15,7 +15,7 @@ from flce_policy.memory import held_beside_slab
 from flce_policy.problem import DTYPE_ITEMSIZE, Problem
 from flce_policy.units import format_bytes, parse_bytes
 
-from .base import ChunkStrategy, StrategyError
+from .base import ChunkStrategy, StrategyError, checked_geometry
 
 __all__ = ["FreeMemory", "NotEnoughFreeMemoryError"]
 
@@ -141,7 +141,7 @@ class FreeMemory(ChunkStrategy):
         cap = self.cap_strategy()
         if cap is None:
             return fits
-        capped = cap.geometry(problem, device, rule=rule)
+        capped = checked_geometry(cap, problem, device, rule=rule)
         if fits.chunk_size <= capped.chunk_size:
             return fits
         # the cap's shape, with this strategy's accumulator (the one its memory budget assumed)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
+import traceback
+from collections.abc import Mapping
 from typing import Any
 
 from .base import ChunkStrategy, StrategyError
@@ -14,6 +17,9 @@ from .heuristic_c import HeuristicC
 from .slab_budget import SlabBudget
 
 __all__ = ["BUILTIN_STRATEGIES", "strategy_class", "strategy_from_config"]
+
+# A module or attribute path as Python spells one: identifiers joined by single dots.
+_DOTTED_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 BUILTIN_STRATEGIES: dict[str, type[ChunkStrategy]] = {
     cls.name: cls
@@ -33,10 +39,12 @@ def strategy_class(name: str) -> type[ChunkStrategy]:
             f"unknown strategy {name!r}; built-ins are {known}, or give a class by import path 'package.module:Class'"
         )
     module_name, _, attr_path = name.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as err:
-        raise StrategyError(f"strategy {name!r}: cannot import module {module_name!r}: {err}") from None
+    if not (_DOTTED_NAME.fullmatch(module_name) and _DOTTED_NAME.fullmatch(attr_path)):
+        raise StrategyError(
+            f"strategy {name!r}: an import path is 'package.module:Class', an absolute module path and a class "
+            "name, each of dotted Python identifiers (no leading dots, nothing empty)"
+        )
+    obj: Any = _import_user_module(name, module_name)
     for attr in attr_path.split("."):
         try:
             obj = getattr(obj, attr)
@@ -47,8 +55,41 @@ def strategy_class(name: str) -> type[ChunkStrategy]:
     return obj
 
 
-def strategy_from_config(config: dict[str, Any]) -> ChunkStrategy:
+def _import_user_module(name: str, module_name: str) -> Any:
+    """Import the module of a strategy given by import path: the user's code, so any error it raises
+    on import (a syntax error, an exception at top level) becomes one StrategyError naming its file."""
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as err:
+        # the module itself not found (not one it imports): most often its folder is not on sys.path
+        hint = ""
+        if isinstance(err, ModuleNotFoundError) and f"{module_name}.".startswith(f"{err.name}."):
+            hint = " (is the folder holding it on the import path? e.g. run with PYTHONPATH=that_folder)"
+        raise StrategyError(f"strategy {name!r}: cannot import module {module_name!r}: {err}{hint}") from None
+    except SyntaxError as err:
+        where = f"{err.filename}, line {err.lineno}" if err.filename else "its source"
+        raise StrategyError(
+            f"strategy {name!r}: module {module_name!r} has a syntax error ({where}): {err.msg}"
+        ) from None
+    except Exception as err:  # noqa: BLE001 - whatever the user's module raises at import, said on one line
+        frame = traceback.extract_tb(err.__traceback__)[-1]
+        raise StrategyError(
+            f"strategy {name!r}: importing module {module_name!r} raised {type(err).__name__}: {_one_line(err)} "
+            f"({frame.filename}, line {frame.lineno})"
+        ) from None
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
+
+
+def strategy_from_config(config: Mapping[str, Any]) -> ChunkStrategy:
     """Build and validate a strategy from ``{"strategy": name, **params}``."""
+    if not isinstance(config, Mapping):
+        raise TypeError(
+            f"strategy_from_config expects a mapping {{'strategy': name, **params}}, got {config!r}"
+            + (f"; for a name alone write {{'strategy': {config!r}}}" if isinstance(config, str) else "")
+        )
     params = dict(config)
     name = params.pop("strategy", None)
     if name is None:
