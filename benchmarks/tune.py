@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -347,7 +348,7 @@ def build_parser(prog: str) -> Parser:
     parser = Parser(
         prog=prog,
         description="Measure chunk sizes of our loss on this GPU and write the fastest that fits the "
-        "memory you give as a policy YAML for this GPU family.",
+        "memory you give (--max-peak and/or --max-slab; there is no default) as a policy YAML for this GPU family.",
     )
     parser.add_argument(
         "--shapes",
@@ -356,10 +357,19 @@ def build_parser(prog: str) -> Parser:
         metavar="BTxHxV",
         help=f"shapes to tune for (default: {' '.join(format_shape(s) for s in DEFAULT_SHAPES)})",
     )
+    # No defaults: how much memory the loss may take is the user's to say, so at least one is required.
     parser.add_argument(
-        "--max-peak", type=_size, metavar="SIZE", help="limit on the measured peak over the inputs (40GiB)"
+        "--max-peak",
+        type=_size,
+        metavar="SIZE",
+        help="limit on the measured peak over the inputs, e.g. 40GiB (give this, --max-slab, or both)",
     )
-    parser.add_argument("--max-slab", type=_size, metavar="SIZE", help="limit on the logits slab (2GiB)")
+    parser.add_argument(
+        "--max-slab",
+        type=_size,
+        metavar="SIZE",
+        help="limit on the logits slab, e.g. 2GiB (give this, --max-peak, or both)",
+    )
     parser.add_argument(
         "--accum", choices=("bf16", "fp32"), default="bf16", help="grad_weight accumulation to measure (default bf16)"
     )
@@ -378,6 +388,11 @@ def build_parser(prog: str) -> Parser:
         action="store_false",
         help="write the tuned rule alone: every other GPU then gets the default strategy instead of its "
         "packaged rule (by default the file keeps the packaged rules after the tuned one)",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print what was written and measured as JSON on stdout (the messages stay on stderr)",
     )
     return parser
 
@@ -413,7 +428,7 @@ def run(args: argparse.Namespace) -> int:
     records = _measure(list(args.shapes or DEFAULT_SHAPES), device, args)
     choice = choose(records, limits, device=device)
     about = _about(args)
-    strategy = None
+    strategy, rates = None, None
     try:
         rates, worst = calibrate(records, device)
         about.append(
@@ -440,7 +455,35 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     print(_changed_families(policy, device, out), file=sys.stderr)
+    if args.json:
+        print(json.dumps(_summary(out, device, policy, choice, limits, rates, records), indent=2, allow_nan=False))
     return 0
+
+
+def _summary(
+    out: Path,
+    device: DeviceInfo,
+    policy: FLCEPolicy,
+    choice: Choice,
+    limits: Limits,
+    rates: DeviceRates | None,
+    records: Sequence[Record],
+) -> dict:
+    """``--json``: the file written, its tuned rule, the limits, the choice, the calibration and the measurements."""
+    packaged = FLCEPolicy.packaged()
+    return {
+        "out": str(out),
+        "device": device.model_dump(mode="json"),
+        "rule": policy.rules[0].to_config(),
+        "limits": limits._asdict(),
+        "chosen_max_slab": choice.max_slab,
+        "within_tolerance": choice.within_tolerance,
+        "calibrated_rates": None
+        if rates is None
+        else {"matmul_flops": rates.matmul_flops, "hbm_bytes_per_s": rates.hbm_bytes_per_s},
+        "changed_families": [d.family for d in DeviceInfo.known() if not policy.same_strategy_as(packaged, d)],
+        "records": [r.to_dict() for r in records],
+    }
 
 
 def _changed_families(policy: FLCEPolicy, device: DeviceInfo, out: Path) -> str:

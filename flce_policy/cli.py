@@ -25,8 +25,8 @@ from rich.table import Table
 from flce_policy.config import CONFIG_VERSION, ConfigError
 from flce_policy.device import DeviceInfo
 from flce_policy.policy import CONFIG_ENV_VAR, FLCEPolicy
-from flce_policy.problem import Problem, vocab_shard_sizes
-from flce_policy.strategies import BUILTIN_STRATEGIES, strategy_from_config
+from flce_policy.problem import DTYPE_ITEMSIZE, Problem, normalise_dtype, vocab_shard_sizes
+from flce_policy.strategies import BUILTIN_STRATEGIES, StrategyError, strategy_from_config
 from flce_policy.units import format_bytes
 
 __all__ = ["main", "MODEL_PRESETS"]
@@ -71,11 +71,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except SystemExit as exit_:  # --help
         return exit_.code if isinstance(exit_.code, int) else 0
-    except _UsageError as err:
-        return _fail(str(err))
-    except ValidationError as err:
-        return _fail("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors()))
-    except (ValueError, OSError) as err:  # ConfigError and StrategyError are ValueErrors
+    except (_UsageError, ConfigError, StrategyError, OSError) as err:
+        # What the user gave is wrong: the command line, a policy file, a strategy and its parameters
+        # (and what they decide for the problem), a file to read or write. Anything else is a bug of
+        # ours and keeps its traceback; user input is checked where it is parsed (_problem, _policy,
+        # _device, the argument types), so library errors reach here only as these types.
         return _fail(str(err))
 
 
@@ -88,14 +88,34 @@ def _fail(message: str) -> int:
 # --- arguments -----------------------------------------------------------------------------------
 
 
+#: The largest size the CLI takes: a tensor dimension is an int64.
+_MAX_SIZE = 2**63 - 1
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    except ValueError:  # not a number, or more digits than Python converts
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {_shown(text)}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    if value > _MAX_SIZE:
+        raise argparse.ArgumentTypeError(
+            f"expected at most 2**63 - 1 (a tensor dimension is an int64), got {_shown(text)}"
+        )
     return value
+
+
+def _shown(text: str) -> str:
+    """``text`` quoted for an error line, cut short when it is long (a 400-digit number)."""
+    return repr(text) if len(text) <= 40 else f"{text[:20]!r}... ({len(text)} characters)"
+
+
+def _master_dtype(text: str) -> str:
+    dtype = normalise_dtype(text)
+    if dtype not in DTYPE_ITEMSIZE:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(DTYPE_ITEMSIZE)}, got {_shown(text)}")
+    return dtype
 
 
 def _build_parser() -> _Parser:
@@ -123,6 +143,7 @@ def _build_parser() -> _Parser:
     )
     explain.add_argument(
         "--master-dtype",
+        type=_master_dtype,
         metavar="DTYPE",
         help="the LM head's own dtype under autocast (e.g. float32 master weights with --dtype bfloat16): "
         "the predicted peak holds its low-precision copy and its gradient",
@@ -175,10 +196,21 @@ def _problem(args: argparse.Namespace) -> Problem:
     if vocab is None or hidden is None:
         raise _UsageError("give --model, or both --vocab and --hidden")
     shards = _shards(vocab, args.tp_size)
-    return Problem(tokens=args.tokens, hidden=hidden, vocab=shards[0], dtype=args.dtype, tp_size=args.tp_size)
+    try:
+        return Problem(tokens=args.tokens, hidden=hidden, vocab=shards[0], dtype=args.dtype, tp_size=args.tp_size)
+    except ValidationError as err:
+        options = {"tokens": "--tokens", "hidden": "--hidden", "vocab": "--vocab", "dtype": "--dtype"}
+        raise _UsageError(
+            "; ".join(
+                f"{options.get(str(e['loc'][0]), e['loc'][0]) if e['loc'] else 'problem'}: {e['msg']}"
+                for e in err.errors()
+            )
+        ) from None
 
 
 def _shards(vocab: int, tp_size: int) -> list[int]:
+    if tp_size > vocab:  # checked first: the split below lists one shard per rank
+        raise _UsageError(f"--tp-size {tp_size} is more ranks than V={vocab} has classes; each rank needs a shard")
     shards = vocab_shard_sizes(vocab, tp_size)
     if not all(shards):
         raise _UsageError(f"V={vocab} over --tp-size {tp_size} leaves rank {shards.index(0)} an empty vocab shard")
@@ -187,7 +219,12 @@ def _shards(vocab: int, tp_size: int) -> list[int]:
 
 def _policy(args: argparse.Namespace) -> FLCEPolicy:
     if getattr(args, "strategy", None):
-        strategy = strategy_from_config({"strategy": args.strategy, **_params(args.param)})
+        params = _params(args.param)
+        try:
+            strategy = strategy_from_config({"strategy": args.strategy, **params})
+        except StrategyError as err:
+            given = str(err.param).split(".")[0]
+            raise _UsageError(f"--param {given}: {err}" if given in params else f"--strategy: {err}") from None
         return FLCEPolicy(default=strategy, source=f"--strategy {args.strategy}")
     if getattr(args, "param", None):
         raise _UsageError("--param needs --strategy")
@@ -245,7 +282,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     problem = _problem(args)
     policy = _policy(args)
     if args.device:
-        device: DeviceInfo | None = DeviceInfo.synthetic(args.device)
+        device: DeviceInfo | None = _device(args.device)
         title = ""
     elif args.all_gpus:
         device, title = None, "the decision on each known GPU"
@@ -255,7 +292,12 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         device = probe_device()
         device, title = (device, "") if device.is_gpu else (None, "no GPU here; the decision on each known GPU")
     if device is None:
-        _print_table(policy, problem, DeviceInfo.known(), as_json=args.json, title=title)
+        known = DeviceInfo.known()
+        _print_table(policy, problem, known, as_json=args.json, title=title, master_dtype=args.master_dtype)
+        return 0
+    rule, strategy = policy.resolve_rule(device)
+    if strategy.dynamic and device.index is None:
+        _print_at_call_time(policy, problem, device, as_json=args.json)
     elif args.json:
         ranks = _tp_ranks(policy, problem, device, args) if problem.tp_size > 1 else None
         decision = policy.explain_dict(problem, device, master_dtype=args.master_dtype)
@@ -265,6 +307,31 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         if problem.tp_size > 1:
             _print_tp_ranks(_tp_ranks(policy, problem, device, args))
     return 0
+
+
+def _print_at_call_time(policy: FLCEPolicy, problem: Problem, device: DeviceInfo, *, as_json: bool) -> None:
+    """A dynamic strategy (free_memory) on a planned GPU: the rule and strategy, and that the size is
+    decided at every call (what ``validate``'s table shows), since a planned GPU has no free memory to read."""
+    row = _at_call_time(policy, device)
+    if as_json:
+        _print_json({**row, "problem": problem.model_dump(mode="json"), "policy": policy.source})
+        return
+    lines = [
+        ("Device", device.describe()),
+        ("Problem", problem.describe()),
+        ("Policy", policy.source),
+        ("Rule", row["rule"]),
+        ("Strategy", _row_strategy(row)),
+        ("Chunk size", f"{row['at_call_time']}; run explain on that GPU to see the size it picks now"),
+    ]
+    _console().print("\n".join(f"{label + ':':<13}{value}" for label, value in lines))
+
+
+def _device(family: str) -> DeviceInfo:
+    try:
+        return DeviceInfo.synthetic(family)
+    except ValueError as err:
+        raise _UsageError(f"--device: {err}") from None
 
 
 def _tp_ranks(policy: FLCEPolicy, problem: Problem, device: DeviceInfo, args: argparse.Namespace) -> list[dict]:
@@ -349,29 +416,36 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 # --- output --------------------------------------------------------------------------------------
 
 
-def _decision(policy: FLCEPolicy, problem: Problem, device: DeviceInfo) -> dict[str, Any]:
+def _decision(
+    policy: FLCEPolicy, problem: Problem, device: DeviceInfo, *, master_dtype: str | None = None
+) -> dict[str, Any]:
     """explain_dict, or the error a strategy gave for this device (a budget smaller than one row, say).
 
     A dynamic strategy (free_memory) on a planned GPU has no answer yet: it decides at call time.
     """
     rule, strategy = policy.resolve_rule(device)
     if strategy.dynamic and device.index is None:
-        return {
-            "device": device.model_dump(mode="json"),
-            "rule": rule,
-            "strategy": strategy.config_name(),
-            "params": strategy.get_params(),
-            "at_call_time": "sized at every call from the memory free on the GPU",
-        }
+        return _at_call_time(policy, device)
     try:
-        return policy.explain_dict(problem, device)
-    except ValueError as err:
+        return policy.explain_dict(problem, device, master_dtype=master_dtype)
+    except StrategyError as err:
         return {
             "device": device.model_dump(mode="json"),
             "rule": rule,
             "strategy": strategy.config_name(),
             "error": str(err),
         }
+
+
+def _at_call_time(policy: FLCEPolicy, device: DeviceInfo) -> dict[str, Any]:
+    rule, strategy = policy.resolve_rule(device)
+    return {
+        "device": device.model_dump(mode="json"),
+        "rule": rule,
+        "strategy": strategy.config_name(),
+        "params": strategy.get_params(),
+        "at_call_time": "sized at every call from the memory free on the GPU",
+    }
 
 
 def _packaged_decision(packaged: FLCEPolicy, problem: Problem, device: DeviceInfo) -> dict[str, Any]:
@@ -388,20 +462,25 @@ def _print_table(
     as_json: bool,
     title: str,
     baseline: FLCEPolicy | None = None,
+    master_dtype: str | None = None,
 ) -> None:
-    """The decision on each device; with ``baseline``, a last column with its pick where it differs."""
-    rows = [_decision(policy, problem, d) for d in devices]
+    """The decision on each device: its predicted peak, or with ``baseline`` (validate), a last column
+    with the baseline's pick where it differs (the two would not fit a line together)."""
+    rows = [_decision(policy, problem, d, master_dtype=master_dtype) for d in devices]
     if as_json:
         _print_json({"problem": problem.model_dump(), "policy": policy.source, "decisions": rows})
         return
-    table = Table(title=f"{title}\n{problem.describe()}; policy {policy.source}")
+    master = f"; peak over a {master_dtype} master weight under autocast" if master_dtype else ""
+    table = Table(title=f"{title}\n{problem.describe()}; policy {policy.source}{master}")
     columns = ["GPU", "memory", "rule", "strategy", "chunk_size", "chunks", "slab"]
-    for column in columns + (["packaged policy"] if baseline is not None else []):
-        table.add_column(column, justify="right" if column in ("chunk_size", "chunks", "slab") else "left")
+    for column in columns + (["peak"] if baseline is None else ["packaged policy"]):
+        table.add_column(column, justify="right" if column in ("chunk_size", "chunks", "slab", "peak") else "left")
     for device, row in zip(devices, rows, strict=True):
         cells = [device.family, format_bytes(device.total_memory_bytes), row["rule"], _row_strategy(row)]
         cells += _pick_cells(row)
-        if baseline is not None:
+        if baseline is None:
+            cells.append(format_bytes(row["predicted_peak_bytes"]) if "predicted_peak_bytes" in row else "")
+        else:
             same = policy.same_strategy_as(baseline, device)
             cells.append("same" if same else _pick_text(_decision(baseline, problem, device)))
         table.add_row(*cells)
@@ -436,7 +515,9 @@ def _params_text(params: dict[str, Any]) -> str:
 
 
 def _print_json(data: Any) -> None:
-    print(json.dumps(data, indent=2, default=str))
+    # allow_nan=False: an inf or NaN would print as Infinity/NaN, which is not JSON; the strategies
+    # refuse what would give one, so reaching it here is a bug of ours and raises
+    print(json.dumps(data, indent=2, default=str, allow_nan=False))
 
 
 def _console() -> Console:

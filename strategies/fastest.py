@@ -156,7 +156,7 @@ def _rate(key: str, value: Any) -> float:
         except OverflowError:  # an int beyond any float
             number = math.inf
     if number is None:
-        raise StrategyError(f"fastest: rates.{key} must be a number, got {value!r}", param="rates")
+        raise StrategyError(f"fastest: rates.{key}: must be a number, got {value!r}", param=f"rates.{key}")
     # a latency may be 0 (nothing divides by it); every other rate divides a count of FLOPs or bytes
     if key == "collective_latency_s":
         wanted, ok = "finite and >= 0", number >= 0
@@ -165,7 +165,7 @@ def _rate(key: str, value: Any) -> float:
     else:
         wanted, ok = "finite and positive", number > 0
     if not (ok and math.isfinite(number)):
-        raise StrategyError(f"fastest: rates.{key} must be {wanted}, got {value!r}", param="rates")
+        raise StrategyError(f"fastest: rates.{key}: must be {wanted}, got {value!r}", param=f"rates.{key}")
     return number
 
 
