@@ -32,7 +32,8 @@ from flce_policy.options import LossOptions
 from flce_policy.targets import TargetCheck
 
 __all__ = [
-    "FLCEFunction", "ForwardResult", "autocast_off", "forward_pass", "grad_request", "recompute_grads", "rescale",
+    "FLCEFunction", "ForwardResult", "SECOND_ORDER_MESSAGE", "autocast_off", "forward_pass", "grad_request",
+    "recompute_grads", "refuse_second_order", "rescale",
 ]  # fmt: skip
 
 
@@ -86,16 +87,55 @@ class FLCEFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         options: LossOptions = ctx.options
-        if options.reduction == "none":
-            with autocast_off(grad_loss.device.type):
-                grads = _recompute_grads(ctx, grad_loss)
-        else:
-            grads, ctx.grads = ctx.grads, None
-            if grads is None:
-                raise RuntimeError("fused_linear_cross_entropy: backward ran twice through the same call")
-            grads = rescale(grads, grad_loss)
+        # Grad mode is on here only under create_graph=True; the kernels build no graph either way.
+        second_order_possible = torch.is_grad_enabled()
+        with torch.no_grad():
+            if options.reduction == "none":
+                with autocast_off(grad_loss.device.type):
+                    grads = _recompute_grads(ctx, grad_loss)
+            else:
+                grads, ctx.grads = ctx.grads, None
+                if grads is None:
+                    raise RuntimeError("fused_linear_cross_entropy: backward ran twice through the same call")
+                grads = rescale(grads, grad_loss)
+        if second_order_possible:
+            grads = refuse_second_order(grads)
         grad_input, grad_weight, grad_bias = grads
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None, None
+
+
+SECOND_ORDER_MESSAGE = (
+    "fused_linear_cross_entropy has no second derivative: a gradient it returned under create_graph=True "
+    "(a gradient penalty, a Hessian-vector product) was differentiated again. Compute that term on explicit "
+    "logits with torch.nn.functional.cross_entropy instead"
+)
+
+
+class _NoSecondOrder(torch.autograd.Function):
+    """Identity on the gradients the loss returns under ``create_graph=True``, whose own backward raises.
+
+    Without it those gradients would not require grad, and a term built on them would silently
+    contribute nothing to the next backward.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx: Any, *_: Any) -> Any:  # type: ignore[override]
+        raise RuntimeError(SECOND_ORDER_MESSAGE)
+
+
+def refuse_second_order(grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
+    """``grads`` as tensors that require grad, through :class:`_NoSecondOrder`: differentiating one raises
+    :data:`SECOND_ORDER_MESSAGE`. Each is a detached alias marked as requiring grad, as autograd's
+    ``once_differentiable`` does, so that the identity is recorded."""
+    present = [g for g in grads if g is not None]
+    if not present:
+        return grads
+    outputs = iter(_NoSecondOrder.apply(*(g.detach().requires_grad_() for g in present)))
+    return tuple(None if g is None else next(outputs) for g in grads)
 
 
 def grad_request(

@@ -354,6 +354,20 @@ class _CompiledLoss(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
+@torch.compiler.assume_constant_result
+def _refuse_policy(kind: str) -> int:
+    """Raise the TypeError naming the fix for a policy the op cannot take.
+
+    Run by Dynamo at trace time (as ``_config_text`` is), so the caller's error starts with this message:
+    raised in traced code it would come back as Dynamo's "Observed exception", the fix buried below it.
+    """
+    raise TypeError(
+        f"policy={kind} under torch.compile: pass policy=FLCEPolicy(default=strategy), built outside the compiled "
+        f"function (a bare strategy works in eager mode only); under torch.compile policy must be an FLCEPolicy, "
+        f"a Geometry or None"
+    )
+
+
 def compiled_loss(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -375,10 +389,7 @@ def compiled_loss(
     elif policy is None or isinstance(policy, FLCEPolicy):
         key = policy_key(policy)
     else:
-        raise TypeError(
-            f"under torch.compile, policy must be an FLCEPolicy, a Geometry or None; got {type(policy).__name__} "
-            "(wrap a strategy as FLCEPolicy(default=strategy), built outside the compiled function)"
-        )
+        _refuse_policy(type(policy).__name__)
     grad_enabled = torch.is_grad_enabled()
     wants = (
         grad_enabled and x.requires_grad,

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from flce_policy.problem import DTYPE_ITEMSIZE, LogitsDType, Problem, normalise_dtype
+from flce_policy.problem import DTYPE_ITEMSIZE, LogitsDType, Problem, checked_dtype, normalise_dtype
 from flce_policy.units import cdiv, format_bytes
 
 __all__ = ["Geometry"]
@@ -110,11 +110,11 @@ class Geometry(BaseModel):
         from the problem's (an fp32 master weight under autocast): an fp32 master's gradient is
         accumulated in fp32 directly, never in a low-precision buffer that is cast afterwards.
         """
-        master = normalise_dtype(master_dtype) if master_dtype is not None else self.problem.dtype
+        master = checked_dtype(master_dtype, "master_dtype") if master_dtype is not None else self.problem.dtype
         if master == "float32" or self.writes_weight_grad_once:
             return master
         accum_dtype = accum_dtype or self.accum_dtype
-        return self.problem.dtype if accum_dtype is None else normalise_dtype(accum_dtype)
+        return self.problem.dtype if accum_dtype is None else checked_dtype(accum_dtype, "accum_dtype")
 
     def accum_itemsize(self, accum_dtype: Any = None, master_dtype: Any = None) -> int:
         """Bytes per element of the grad_weight buffer the driver allocates (:meth:`accumulator_dtype`)."""

@@ -153,6 +153,13 @@ def fused_linear_cross_entropy(
         if tp_grad_input != "full":
             raise ValueError("tp_grad_input applies to a vocab-parallel head only (tp_group or a DTensor weight)")
         x, target_flat, class_weight = _check_tensors(input, weight, target, bias, class_weight, compute_dtype)
+        if not weight.shape[0]:
+            raise ValueError(
+                f"weight has no rows: its vocabulary dimension V is 0 (weight is [V, H] = {tuple(weight.shape)}); "
+                "cross-entropy needs at least one class"
+            )
+        if not x.shape[1]:
+            x, weight = _one_zero_column(x, weight)
         if torch.compiler.is_compiling():
             # One opaque node (flce_policy/custom_op.py): the geometry is resolved and the target
             # range checked inside it, at run time.
@@ -191,6 +198,8 @@ def _vocab_parallel_loss(
     compute_dtype: torch.dtype | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The vocab-parallel path (flce_policy/vocab_parallel.py), eager only."""
+    if isinstance(input, torch.Tensor) and input.dim() and not input.shape[-1]:
+        raise NotImplementedError("a vocab-parallel head (tp_group or a DTensor weight) with hidden size H=0")
     if options.return_entropy:
         raise NotImplementedError(
             "return_entropy is not supported for a vocab-parallel head (tp_group or a DTensor weight) yet: "
@@ -345,6 +354,8 @@ def _check_tensors(
     for name, tensor in (("input", input), ("weight", weight), ("target", target)):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(_bias_type_message(bias))
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
     vocab, hidden = weight.shape
@@ -382,7 +393,7 @@ def _check_tensors(
             raise ValueError(f"{name} is on {tensor.device} but input is on {input.device}")
     _check_runnable_device(input.device)
 
-    x = input.reshape(-1, hidden)
+    x = input.reshape(target.numel(), hidden)  # not -1: with H=0 that size is ambiguous
     if not x.is_contiguous():
         x = x.contiguous()
     target_flat = target.reshape(-1).to(torch.int64)
@@ -391,18 +402,43 @@ def _check_tensors(
     return x, target_flat, class_weight
 
 
+def _one_zero_column(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [BT, 0]`` and ``weight [V, 0]`` with one zero column each: the same logits (zeros, plus the bias),
+    so the kernels run an H=0 call as torch does (``mean`` is log V without a bias); autograd slices the
+    gradients back to H=0. Only for that degenerate size: no copy on any other call."""
+    return torch.nn.functional.pad(x, (0, 1)), torch.nn.functional.pad(weight, (0, 1))
+
+
+def _bias_type_message(bias: object) -> str:
+    message = f"bias must be a torch.Tensor [V] or None, got {type(bias).__name__}"
+    if isinstance(bias, (FLCEPolicy, Geometry, ChunkStrategy)):
+        # the fourth positional argument is bias; a policy given there was meant for the keyword
+        message += f": pass a {type(bias).__name__} by keyword, as policy=..."
+    return message
+
+
 def _check_runnable_device(device: torch.device) -> None:
-    from flce_policy.kernels.ce_kernel import KERNELS_INTERPRETED
+    from flce_policy.kernels import KERNELS_INTERPRETED, interpreter_requested
 
     if device.type == "cuda" and not KERNELS_INTERPRETED:
         return
     if device.type == "cpu" and KERNELS_INTERPRETED:
         return
+    # Triton decides interpreter or GPU compiler when a kernel is defined: flce_policy's first were at its import.
+    if device.type == "cpu" and interpreter_requested():
+        raise RuntimeError(
+            "fused_linear_cross_entropy: TRITON_INTERPRET=1 was set after flce_policy was imported, so its Triton "
+            "kernels were built for a GPU; set TRITON_INTERPRET=1 before importing flce_policy (first thing in the "
+            "script, or in the shell) to run CPU tensors under Triton's interpreter"
+        )
     if device.type == "cpu":
         raise RuntimeError(
             "fused_linear_cross_entropy runs Triton kernels: CPU tensors need TRITON_INTERPRET=1 set before "
-            "flce_policy's kernels are first imported (the Triton interpreter; slow, meant for tests)"
+            "flce_policy is imported (the Triton interpreter; slow, meant for tests)"
         )
     if device.type == "cuda":
-        raise RuntimeError("TRITON_INTERPRET=1 was set when the kernels were imported; CUDA tensors need it unset")
+        raise RuntimeError(
+            "TRITON_INTERPRET=1 was set when flce_policy was imported, so its kernels run under Triton's CPU "
+            "interpreter; CUDA tensors need it unset before importing flce_policy"
+        )
     raise RuntimeError(f"unsupported device {device}: flce_policy needs a CUDA GPU (or CPU under TRITON_INTERPRET=1)")

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 from flce_policy.accumulator import accumulator_layout, narrow_step_rows
 from flce_policy.geometry import Geometry
-from flce_policy.problem import DTYPE_ITEMSIZE, Problem, normalise_dtype
+from flce_policy.problem import DTYPE_ITEMSIZE, Problem, checked_dtype
 from flce_policy.units import format_bytes
 
 __all__ = ["MemoryEstimate", "predict_peak", "held_beside_slab", "gathered_head_bytes"]
@@ -54,6 +54,8 @@ def predict_peak(
     bytes per row and tile) is left out: well under 1% of any slab.
     """
     p = geometry.problem
+    master_dtype = None if master_dtype is None else checked_dtype(master_dtype, "master_dtype")
+    input_dtype = None if input_dtype is None else checked_dtype(input_dtype, "input_dtype")
     accum_itemsize = geometry.accum_itemsize(accum_dtype, master_dtype)
     held = _held(p, input_grad=input_grad, weight_grad=weight_grad, bias=bias, accum_itemsize=accum_itemsize)
     weight_elems = p.vocab * p.hidden
@@ -70,8 +72,8 @@ def predict_peak(
     if layout.in_grad_input:
         step_rows = min(narrow_step_rows(p.hidden, p.itemsize), layout.in_grad_input)
         loop["narrowing_step"] = step_rows * p.hidden * p.itemsize
-    master_itemsize = DTYPE_ITEMSIZE[normalise_dtype(master_dtype)] if master_dtype else p.itemsize
-    input_itemsize = DTYPE_ITEMSIZE[normalise_dtype(input_dtype)] if input_dtype else p.itemsize
+    master_itemsize = DTYPE_ITEMSIZE[master_dtype] if master_dtype else p.itemsize
+    input_itemsize = DTYPE_ITEMSIZE[input_dtype] if input_dtype else p.itemsize
     cast = {
         **held,
         **copies,
@@ -83,7 +85,7 @@ def predict_peak(
 
 
 def _differs(dtype: str | None, problem: Problem) -> bool:
-    return dtype is not None and normalise_dtype(dtype) != problem.dtype
+    return dtype is not None and dtype != problem.dtype
 
 
 def held_beside_slab(
@@ -98,7 +100,7 @@ def held_beside_slab(
 
     What a strategy sizing the slab from free memory must leave to the rest of the call.
     """
-    accum_itemsize = DTYPE_ITEMSIZE[accum_dtype] if accum_dtype else problem.itemsize
+    accum_itemsize = DTYPE_ITEMSIZE[checked_dtype(accum_dtype, "accum_dtype")] if accum_dtype else problem.itemsize
     held = _held(problem, input_grad=input_grad, weight_grad=weight_grad, bias=bias, accum_itemsize=accum_itemsize)
     return sum(held.values())
 

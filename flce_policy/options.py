@@ -18,6 +18,7 @@ Reduction = Literal["mean", "sum", "none"]
 _REDUCTIONS = ("mean", "sum", "none")
 SoftcapRounding = Literal["fp32", "eager"]
 _SOFTCAP_ROUNDINGS = ("fp32", "eager")
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,9 @@ class LossOptions:
     def __post_init__(self) -> None:
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
             raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
+        if not _INT64_MIN <= self.ignore_index <= _INT64_MAX:
+            # compared with int64 targets: a wider value would wrap around, or not reach the kernel at all
+            raise ValueError(f"ignore_index must fit in int64 [-2**63, 2**63 - 1], got {self.ignore_index}")
         if self.reduction not in _REDUCTIONS:
             raise ValueError(f"reduction must be one of {', '.join(_REDUCTIONS)}; got {self.reduction!r}")
         if not _is_real(self.label_smoothing) or not 0.0 <= self.label_smoothing <= 1.0:

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Problem", "DTYPE_ITEMSIZE", "LogitsDType", "normalise_dtype", "vocab_shard_sizes"]
+__all__ = ["Problem", "DTYPE_ITEMSIZE", "LogitsDType", "checked_dtype", "normalise_dtype", "vocab_shard_sizes"]
 
 LogitsDType = Literal["bfloat16", "float16", "float32"]
 
@@ -86,6 +86,20 @@ def vocab_shard_sizes(vocab: int, tp_size: int) -> list[int]:
         raise ValueError(f"vocab and tp_size must be positive, got vocab={vocab}, tp_size={tp_size}")
     step = -(-vocab // tp_size)
     return [max(0, min(step, vocab - rank * step)) for rank in range(tp_size)]
+
+
+def checked_dtype(value: Any, name: str) -> str:
+    """``value`` (a torch dtype, a name or an alias such as "bf16") as one of :data:`DTYPE_ITEMSIZE`'s dtypes.
+
+    ValueError naming ``name`` (the argument or option, e.g. "master_dtype" or "--master-dtype") and listing
+    the accepted dtypes otherwise: the one rule for every dtype argument outside a pydantic model.
+    """
+    dtype = normalise_dtype(value)
+    if not isinstance(dtype, str) or dtype not in DTYPE_ITEMSIZE:
+        accepted = ", ".join(DTYPE_ITEMSIZE)
+        aliases = ", ".join(_DTYPE_ALIASES)
+        raise ValueError(f"{name} must be one of {accepted} (or a torch dtype, or {aliases}); got {value!r}")
+    return dtype
 
 
 def normalise_dtype(value: Any) -> Any:

@@ -7,7 +7,9 @@ A row is bad when its index is outside ``[0, V)`` and not ``ignore_index``; its 
     [bad (0 or 1), mass, count, scale_ce, scale_z, poison]
 
 ``mass`` is the class-weight mass of the kept rows (their count without class weights), ``count``
-the kept rows, both taken as 1 when 0 (an all-ignored mean is 0, not NaN); ``scale_ce, scale_z`` are
+the kept rows; both are taken as 1 only when no row is kept (an all-ignored mean is 0, not NaN). A mass
+that is 0, negative or NaN while rows are kept is used as it is, as ``F.cross_entropy`` divides by it
+(negative class weights are legal there; a NaN weight makes the loss and gradients NaN); ``scale_ce, scale_z`` are
 what dL/dlogits is multiplied by: ``1/mass, 1/count`` for ``mean``, ``1, 1`` for ``sum``. With
 ``poison`` (where no host may read the flag: CUDA-graph capture) a bad row makes ``poison`` NaN and
 both scales NaN, so every gradient is NaN and the loss, which adds ``poison``, is NaN; otherwise
@@ -62,9 +64,11 @@ def _prepare_targets_kernel(
         weight_mass = tl.sum(mass, axis=0)
     else:
         weight_mass = kept_rows
-    # only an empty denominator is replaced (a class-weight mass may legitimately be < 1)
-    weight_mass = tl.where(weight_mass > 0, weight_mass, 1.0)
-    kept_rows = tl.where(kept_rows > 0, kept_rows, 1.0)
+    # Only the denominators of a batch with no kept row are replaced (its mean is 0, not 0/0). A class-weight
+    # mass of kept rows is torch's denominator whatever its value: < 1, <= 0 or NaN.
+    any_kept = kept_rows > 0
+    weight_mass = tl.where(any_kept, weight_mass, 1.0)
+    kept_rows = tl.where(any_kept, kept_rows, 1.0)
     any_bad = tl.sum(bad, axis=0) > 0
     poison = tl.zeros([], dtype=tl.float32)
     if POISON:

@@ -65,7 +65,7 @@ def test_poisoned_targets_nan_only_when_bad():
 @pytest.mark.parametrize("rows", [0, 7, 2500])  # none; under one block; several blocks and a tail
 def test_denominators_and_gradient_scales(rows, mean, weighted):
     """The check's meta against plain Python: kept rows (neither ignored nor bad), their class-weight mass,
-    an empty denominator taken as 1, and the scales 1/mass, 1/count for mean (ones for sum)."""
+    both denominators taken as 1 when no row is kept, and the scales 1/mass, 1/count for mean (ones for sum)."""
     g = torch.Generator().manual_seed(rows)
     target = torch.randint(-3, V + 3, (rows,), generator=g)
     target[torch.rand(rows, generator=g) < 0.3] = -100
@@ -75,7 +75,7 @@ def test_denominators_and_gradient_scales(rows, mean, weighted):
     )
     kept = [t for t in target.tolist() if 0 <= t < V]
     mass = sum(class_weight[t].item() for t in kept) if weighted else float(len(kept))
-    mass, count = mass or 1.0, float(len(kept)) or 1.0
+    mass, count = (mass, float(len(kept))) if kept else (1.0, 1.0)
     bad = any(t != -100 and not 0 <= t < V for t in target.tolist())
     want = [float(bad), mass, count, 1 / mass if mean else 1.0, 1 / count if mean else 1.0, 0.0]
     torch.testing.assert_close(check.meta.cpu().double(), torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=0)
@@ -91,6 +91,19 @@ def test_denominators_and_gradient_scales(rows, mean, weighted):
         device_side.meta.cpu().double(), torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=0, equal_nan=True
     )
     assert torch.isnan(device_side.poison).item() == bad
+
+
+@pytest.mark.parametrize(
+    ("class_weight", "mass"),
+    [([-1.0, 0.5, -0.25], -1.75), ([1.0, -2.0, 0.0], 0.0), ([1.0, float("nan"), 1.0], float("nan"))],
+    ids=["negative", "zero", "nan"],
+)
+def test_mass_of_kept_rows_is_kept_whatever_its_sign(class_weight, mass):
+    """A kept-row mass <= 0 or NaN is the denominator as it is (torch's), never replaced by 1."""
+    target = torch.tensor([0, 1, 2, -100, 0], device=DEVICE)
+    check = TargetCheck(target, 3, -100, torch.tensor(class_weight, device=DEVICE), True)
+    want = [0.0, mass, 4.0, 1 / mass if mass else float("inf"), 0.25, 0.0]
+    torch.testing.assert_close(check.meta.cpu().double(), torch.tensor(want, dtype=torch.float64), equal_nan=True)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
