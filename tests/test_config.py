@@ -257,3 +257,61 @@ def test_user_strategy_missing_module_names_the_strategy_key(tmp_path):
         ConfigError, match=r"config.yaml: default.strategy: .*cannot import module 'no_such_pkg_xyz.rules'"
     ):
         FLCEPolicy.from_yaml(write(tmp_path, text))
+
+
+# --- issue 28 ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "nested",
+    ["[" * 5000 + "]" * 5000, "{a: " * 5000 + "1" + "}" * 5000],
+    ids=["lists", "mappings"],
+)
+def test_yaml_nested_thousands_deep_is_one_line_naming_the_file(tmp_path, nested):
+    path = write(tmp_path, f"version: 1\ndefault: {{strategy: heuristic_c, c: {nested}}}\n")
+    with pytest.raises(ConfigError) as err:
+        FLCEPolicy.from_yaml(path)
+    assert str(err.value) == f"{path}: nested too deeply to read (a policy needs at most 32 levels)"
+
+
+def test_a_mapping_nested_past_the_limit_names_where():
+    from flce_policy.config import MAX_NESTING
+
+    data: dict = {"strategy": "heuristic_c"}
+    for _ in range(MAX_NESTING):
+        data = {"strategy": "free_memory", "cap": data}
+    with pytest.raises(ConfigError) as err:
+        FLCEPolicy.from_dict({"version": 1, "default": data}, source="mine")
+    assert str(err.value) == f"mine: default{'.cap' * MAX_NESTING}: nested more than {MAX_NESTING} levels deep"
+    # a few levels, as real files nest, are fine
+    assert FLCEPolicy.from_dict(
+        {"version": 1, "default": {"strategy": "free_memory", "cap": {"strategy": "heuristic_c"}}}
+    )
+
+
+@pytest.mark.parametrize(
+    ("strategy", "fragment"),
+    [
+        ("':Foo'", "default.strategy: strategy ':Foo': an import path is 'package.module:Class'"),
+        ("'..foo:Bar'", "default.strategy: strategy '..foo:Bar': an import path is 'package.module:Class'"),
+        (
+            "cfg_syntax_err:Mine",
+            "default.strategy: strategy 'cfg_syntax_err:Mine': module 'cfg_syntax_err' has a syntax error "
+            "({tmp}/cfg_syntax_err.py, line 1)",
+        ),
+        (
+            "cfg_raises:Mine",
+            "default.strategy: strategy 'cfg_raises:Mine': importing module 'cfg_raises' raised "
+            "ZeroDivisionError: division by zero ({tmp}/cfg_raises.py, line 1)",
+        ),
+    ],
+)
+def test_a_bad_strategy_import_names_the_file_and_key(tmp_path, monkeypatch, strategy, fragment):
+    (tmp_path / "cfg_syntax_err.py").write_text("class Mine(:\n    pass\n")
+    (tmp_path / "cfg_raises.py").write_text("1 / 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = write(tmp_path, f"version: 1\ndefault:\n  strategy: {strategy}\n")
+    with pytest.raises(ConfigError) as err:
+        FLCEPolicy.from_yaml(path)
+    assert str(err.value).startswith(f"{path}: {fragment.format(tmp=tmp_path)}")
+    assert "\n" not in str(err.value)

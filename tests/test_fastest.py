@@ -151,3 +151,45 @@ def test_explain_predicts_with_the_accumulation_and_rates_the_strategy_planned()
         predict_seconds(geometry, DeviceRates(**rates), accum_dtype="float32").seconds * 1e3, abs=1e-3
     )
     assert d["weight_grad_low_precision_steps"] == 1
+
+
+@pytest.mark.parametrize(
+    ("rates", "param", "fragment"),
+    [
+        ({"matmul_flops": -7e14, "hbm_bytes_per_s": 4.6e12}, "rates.matmul_flops", "must be finite and positive"),
+        ({"matmul_flops": 7e14, "hbm_bytes_per_s": 0}, "rates.hbm_bytes_per_s", "must be finite and positive, got 0"),
+        ({"matmul_flops": "fast", "hbm_bytes_per_s": 4.6e12}, "rates.matmul_flops", "must be a number, got 'fast'"),
+        ({"matmul_flops": float("inf"), "hbm_bytes_per_s": 4.6e12}, "rates.matmul_flops", "finite"),
+        ({"matmul_flops": float("nan"), "hbm_bytes_per_s": 4.6e12}, "rates.matmul_flops", "finite"),
+        ({"matmul_flops": True, "hbm_bytes_per_s": 4.6e12}, "rates.matmul_flops", "must be a number"),
+        ({"matmul_flops": 7e14, "hbm_bytes_per_s": 4.6e12, "ce_efficiency": 1.5}, "rates.ce_efficiency", "(0, 1]"),
+        ({"matmul_flops": 7e14}, "rates", "missing hbm_bytes_per_s"),
+        ([7e14, 4.6e12], "rates", "rates must be a mapping"),
+    ],
+)
+def test_bad_rates_name_the_rate(rates, param, fragment):
+    with pytest.raises(StrategyError) as err:
+        strategy_from_config({"strategy": "fastest", "rates": rates})
+    assert err.value.param == param
+    assert f"fastest: {param}" in str(err.value) and fragment in str(err.value)
+
+
+def test_rates_written_as_yaml_reads_them_are_numbers():
+    # YAML 1.1 reads 7.0e14 (no sign in the exponent) as a string: taken as the number it spells
+    import yaml
+
+    written = yaml.safe_load("{matmul_flops: 7.0e14, hbm_bytes_per_s: 4.6e12}")
+    assert written == {"matmul_flops": "7.0e14", "hbm_bytes_per_s": "4.6e12"}
+    problem = Problem(4096, 4096, 128256)
+    as_strings = Fastest(max_slab="256MiB", rates=written)
+    as_numbers = Fastest(max_slab="256MiB", rates={"matmul_flops": 7.0e14, "hbm_bytes_per_s": 4.6e12})
+    assert as_strings.planned_rates(H200) == DeviceRates(7.0e14, 4.6e12)
+    picked = [s.geometry(problem, H200) for s in (as_strings, as_numbers)]
+    assert picked[0].chunk_size == picked[1].chunk_size and picked[0].vocab_chunk == picked[1].vocab_chunk
+
+
+def test_rates_so_small_that_every_prediction_overflows_are_refused():
+    strategy = Fastest(rates={"matmul_flops": 1e-300, "hbm_bytes_per_s": 1e-300})
+    with pytest.raises(StrategyError, match="overflows") as err:
+        strategy.geometry(Problem(1024, 1024, 32768), H200)
+    assert err.value.param == "rates"

@@ -293,3 +293,29 @@ def test_env_var_bad_file_names_file_and_variable(tmp_path, monkeypatch):
     monkeypatch.setenv("FLCE_POLICY_CONFIG", str(path))
     with pytest.raises(ConfigError, match=r"bad.yaml \(from FLCE_POLICY_CONFIG\): default.max_slab: cannot parse"):
         FLCEPolicy.default()
+
+
+# --- issue 28: misuse is named -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rules", [5, "H100", DeviceRule("H100", HeuristicC())])
+def test_rules_must_be_a_list_of_rules(rules):
+    with pytest.raises(TypeError, match=r"rules must be a list of DeviceRule objects, got"):
+        FLCEPolicy(rules=rules)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("problem", [(8192, 4096, 128256), "8192x4096x128256", [8192, 4096, 128256]])
+def test_resolve_names_a_problem_that_is_not_one(problem):
+    with pytest.raises(TypeError, match=r"resolve\(problem, device\): problem must be a flce_policy.Problem"):
+        FLCEPolicy().resolve(problem, DeviceInfo.synthetic("H100"))  # type: ignore[arg-type]
+
+
+def test_resolve_names_a_device_given_as_a_family():
+    with pytest.raises(TypeError, match=r"device must be a flce_policy.DeviceInfo.*DeviceInfo.synthetic\('H100'\)"):
+        FLCEPolicy().resolve(Problem(8192, 4096, 128256), "H100")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("family", [None, 100, ("H100",)])
+def test_synthetic_device_names_a_family_that_is_not_a_name(family):
+    with pytest.raises(TypeError, match=r"DeviceInfo.synthetic\(family\): family must be a GPU family name"):
+        DeviceInfo.synthetic(family)  # type: ignore[arg-type]

@@ -299,3 +299,90 @@ def test_import_path_to_a_missing_module_or_attribute_is_an_error(tests_importab
         strategy_class("tests._no_such_module:HalfTokens")
     with pytest.raises(StrategyError, match="has no attribute"):
         strategy_class("tests._custom_strategies:NoSuchClass")
+
+
+# --- issue 28: what a user gets wrong is named -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [":Foo", "..foo:Bar", ".foo:Bar", "math:", "a b:C", "math:Foo..Bar", "math:1x"])
+def test_a_malformed_import_path_says_what_one_looks_like(name):
+    with pytest.raises(StrategyError) as err:
+        strategy_class(name)
+    assert str(err.value) == (
+        f"strategy {name!r}: an import path is 'package.module:Class', an absolute module path and a class name, "
+        "each of dotted Python identifiers (no leading dots, nothing empty)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("source", "fragment"),
+    [
+        ("def broken(:\n    pass\n", "has a syntax error ({path}, line 1): "),
+        (
+            "import math\n\nraise RuntimeError('boom\\non two lines')\n",
+            "raised RuntimeError: boom on two lines ({path}, line 3)",
+        ),
+    ],
+)
+def test_a_user_module_failing_at_import_is_one_line_naming_its_file(tmp_path, monkeypatch, source, fragment):
+    module = f"user_mod_{abs(hash(source))}"
+    path = tmp_path / f"{module}.py"
+    path.write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(StrategyError) as err:
+        strategy_class(f"{module}:Mine")
+    message = str(err.value)
+    assert message.startswith(f"strategy '{module}:Mine': ")
+    assert fragment.format(path=path) in message
+    assert "\n" not in message
+
+
+def test_a_missing_module_hints_at_the_import_path(tests_importable):
+    with pytest.raises(StrategyError, match=r"No module named 'no_such_pkg_q'.*PYTHONPATH"):
+        strategy_class("no_such_pkg_q.rules:Mine")
+
+
+class KeepsItUnderAnotherName(ChunkStrategy):
+    def __init__(self, rows: int = 64) -> None:
+        self._rows = rows  # not self.rows: get_params cannot read it back
+
+    def pick_chunk_size(self, problem: Problem, device: DeviceInfo) -> int:
+        return self._rows
+
+
+def test_a_parameter_kept_under_another_name_is_named():
+    from flce_policy.policy import DeviceRule, FLCEPolicy
+
+    strategy = KeepsItUnderAnotherName(32)
+    expected = r"KeepsItUnderAnotherName.__init__ takes a parameter 'rows' but the object has no attribute 'rows'"
+    with pytest.raises(TypeError, match=expected):
+        strategy.get_params()
+    with pytest.raises(TypeError, match=expected):
+        FLCEPolicy(default=strategy)
+    with pytest.raises(TypeError, match=expected):
+        DeviceRule("H100", strategy)
+
+
+class AnswersWithRows(ChunkStrategy):
+    """Overrides geometry() itself, wrongly: an int instead of a Geometry."""
+
+    def pick_chunk_size(self, problem: Problem, device: DeviceInfo) -> int:
+        return 64
+
+    def geometry(self, problem, device, *, rule=None):  # type: ignore[override]
+        return 64
+
+
+def test_a_geometry_that_is_not_a_geometry_is_named_where_it_is_asked():
+    from flce_policy.policy import FLCEPolicy
+
+    with pytest.raises(TypeError, match=r"AnswersWithRows.geometry\(\) returned int 64, not a flce_policy.Geometry"):
+        FLCEPolicy(default=AnswersWithRows()).resolve(Problem(1024, 64, 1000), H100)
+
+
+@pytest.mark.parametrize("config", ["heuristic_c", ["heuristic_c"], None, 5])
+def test_strategy_from_config_wants_a_mapping(config):
+    with pytest.raises(TypeError, match="strategy_from_config expects a mapping") as err:
+        strategy_from_config(config)  # type: ignore[arg-type]
+    if isinstance(config, str):
+        assert "write {'strategy': 'heuristic_c'}" in str(err.value)
