@@ -10,6 +10,7 @@ import pytest
 from flce_policy import probe
 from flce_policy.cli import main
 from flce_policy.device import DeviceInfo
+from flce_policy.units import format_bytes
 
 TABLE_FAMILIES = ("H100", "H200", "B200", "B300", "A100", "L40S", "RTX 4090")
 
@@ -315,3 +316,171 @@ def test_env_var_pointing_nowhere_is_a_user_error(tmp_path, capsys, monkeypatch)
 def test_help_exits_0(capsys):
     assert main(["--help"]) == 0
     assert "explain" in capsys.readouterr().out
+
+
+# --- issue 28: every user error is one line and exit 2; the known-GPU table and free_memory -------
+
+
+def user_error(capsys, *argv: str) -> str:
+    """The one ``error:`` line a user error prints (exit 2, nothing on stdout, no traceback)."""
+    code, out, err = run(capsys, *argv)
+    assert code == 2, (code, err)
+    assert out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+FASTEST_FILE = (
+    "version: 1\ndefault:\n  strategy: fastest\n  rates: {{matmul_flops: {flops}, hbm_bytes_per_s: 4.0e+12}}\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("flops", "fragment"),
+    [
+        ("-1.0e+14", "default.rates.matmul_flops: must be finite and positive, got -100000000000000.0"),
+        ("0", "default.rates.matmul_flops: must be finite and positive, got 0"),
+        ("fast", "default.rates.matmul_flops: must be a number, got 'fast'"),
+    ],
+)
+def test_fastest_rates_in_a_file_are_checked(tmp_path, capsys, flops, fragment):
+    path = tmp_path / "rates.yaml"
+    path.write_text(FASTEST_FILE.format(flops=flops))
+    for argv in (["validate", str(path)], ["explain", "--model", "llama-3-8b", "--config", str(path)]):
+        assert user_error(capsys, *argv) == f"error: {path}: {fragment}"
+
+
+def test_fastest_rates_given_with_param_are_checked(capsys):
+    explain = ["explain", "--model", "llama-3-8b", "--device", "H100", "--strategy", "fastest", "--json"]
+    line = user_error(capsys, *explain, "--param", "rates={matmul_flops: -7.0e+14, hbm_bytes_per_s: 4.0e+12}")
+    assert (
+        line == "error: --param rates: fastest: rates.matmul_flops: must be finite and positive, got -700000000000000.0"
+    )
+    line = user_error(capsys, *explain, "--param", "rates={matmul_flops: 1e-300, hbm_bytes_per_s: 1e-300}")
+    assert "fastest: rates: the predicted time of BT=8192 H=4096 V=128256 bfloat16 overflows" in line
+
+
+def test_json_is_valid_json_at_extreme_but_finite_rates(capsys):
+    rates = "rates={matmul_flops: 1.0e+20, hbm_bytes_per_s: 1.0e-290}"
+    code, out, _ = run(
+        capsys, "explain", "--model", "llama-3-8b", "--device", "H100", "--strategy", "fastest", "--param", rates,
+        "--json",
+    )  # fmt: skip
+    assert code == 0
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+
+    data = json.loads(out, parse_constant=refuse)
+    assert data["predicted_ms"] > 1e40
+
+
+def test_master_dtype_changes_the_known_gpu_table(capsys, no_gpu):
+    from flce_policy.memory import predict_peak
+    from flce_policy.policy import FLCEPolicy
+    from flce_policy.problem import Problem
+
+    peaks = {}
+    for master in (None, "float32"):
+        code, out, _ = run(
+            capsys, "explain", "--model", "llama-3-8b", "--json", *(["--master-dtype", master] if master else [])
+        )
+        assert code == 0
+        rows = {row["device"]["family"]: row for row in json.loads(out)["decisions"]}
+        peaks[master] = rows["H100"]["predicted_peak_bytes"]
+    geometry = FLCEPolicy.packaged().resolve(Problem(8192, 4096, 128256), DeviceInfo.synthetic("H100"))
+    assert peaks[None] == predict_peak(geometry).total_bytes
+    assert peaks["float32"] == predict_peak(geometry, master_dtype="float32").total_bytes
+    assert peaks["float32"] > peaks[None]
+    code, out, _ = run(capsys, "explain", "--model", "llama-3-8b", "--master-dtype", "float32")
+    assert code == 0 and "peak over a float32 master weight" in out
+    (h100,) = [line for line in out.splitlines() if "│ H100 " in line]
+    assert format_bytes(peaks["float32"]) in h100
+
+
+@pytest.mark.parametrize("dtype", ["bogus", "float64", "torch.float32"])
+def test_master_dtype_outside_the_table_is_refused(capsys, dtype, no_gpu):
+    for device in ([], ["--device", "H100"]):
+        line = user_error(capsys, "explain", "--model", "llama-3-8b", *device, "--master-dtype", dtype)
+        assert f"argument --master-dtype: expected one of bfloat16, float16, float32, got '{dtype}'" in line
+
+
+@pytest.mark.parametrize("digits", [400, 5000])
+def test_a_huge_integer_is_refused_in_a_short_line(capsys, digits):
+    line = user_error(capsys, "explain", "--model", "llama-3-8b", "--tokens", "1" + "0" * digits)
+    assert "argument --tokens: expected " in line and f"({digits + 1} characters)" in line
+    assert len(line) < 200
+
+
+def test_tp_size_beyond_the_vocabulary_is_refused_before_splitting_it(capsys):
+    line = user_error(
+        capsys, "explain", "--vocab", "5", "--hidden", "8", "--tp-size", str(2**63 - 1), "--device", "H100"
+    )
+    assert line == f"error: --tp-size {2**63 - 1} is more ranks than V=5 has classes; each rank needs a shard"
+
+
+def test_free_memory_on_a_planned_gpu_is_decided_at_call_time(tmp_path, capsys):
+    path = tmp_path / "free.yaml"
+    path.write_text("version: 1\ndefault:\n  strategy: free_memory\n  fraction: 0.25\n")
+    code, out, _ = run(capsys, "validate", str(path))
+    assert code == 0
+    (h100,) = [line for line in out.splitlines() if "│ H100 " in line]
+    assert "at call time" in h100 and "from free memory" in h100
+    code, out, _ = run(capsys, "explain", "--model", "gemma-4-31b", "--config", str(path), "--device", "H100")
+    assert code == 0
+    assert "Strategy:    free_memory fraction=0.25" in out
+    assert "Chunk size:  sized at every call from the memory free on the GPU" in out
+    code, out, _ = run(capsys, "explain", "--model", "gemma-4-31b", "--config", str(path), "--device", "H100", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["at_call_time"] == "sized at every call from the memory free on the GPU"
+    assert data["strategy"] == "free_memory" and data["params"]["fraction"] == 0.25 and data["rule"] == "default"
+
+
+USER_MODULES = {
+    "cli_syntax_err": "class Mine(:\n    pass\n",
+    "cli_raises": "import os\n\nraise OSError('no licence server')\n",
+}
+
+
+@pytest.mark.parametrize(
+    ("strategy", "fragment"),
+    [
+        (":Foo", "strategy ':Foo': an import path is 'package.module:Class'"),
+        ("..foo:Bar", "strategy '..foo:Bar': an import path is 'package.module:Class'"),
+        ("cli_syntax_err:Mine", "module 'cli_syntax_err' has a syntax error ({tmp}/cli_syntax_err.py, line 1)"),
+        ("cli_raises:Mine", "raised OSError: no licence server ({tmp}/cli_raises.py, line 3)"),
+    ],
+)
+def test_a_bad_strategy_import_is_one_line_in_every_command(tmp_path, capsys, monkeypatch, strategy, fragment):
+    for name, source in USER_MODULES.items():
+        (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = tmp_path / "user.yaml"
+    path.write_text(f"version: 1\ndefault:\n  strategy: '{strategy}'\n")
+    fragment = fragment.format(tmp=tmp_path)
+    assert user_error(capsys, "validate", str(path)).startswith(f"error: {path}: default.strategy: ")
+    assert fragment in user_error(capsys, "validate", str(path))
+    assert fragment in user_error(capsys, "probe", "--config", str(path))
+    line = user_error(capsys, "explain", "--model", "llama-3-8b", "--device", "H100", "--strategy", strategy)
+    assert line.startswith("error: --strategy: ") and fragment in line
+
+
+def test_yaml_nested_thousands_deep_is_one_line(tmp_path, capsys):
+    path = tmp_path / "deep.yaml"
+    path.write_text("version: 1\ndefault: {strategy: heuristic_c, c: " + "[" * 5000 + "]" * 5000 + "}\n")
+    line = user_error(capsys, "validate", str(path))
+    assert line == f"error: {path}: nested too deeply to read (a policy needs at most 32 levels)"
+
+
+def test_an_internal_error_keeps_its_traceback(monkeypatch):
+    # A bug of ours is not a user error: main lets it through (the interpreter prints its traceback).
+    from flce_policy.policy import FLCEPolicy
+
+    def broken(*args, **kwargs):
+        raise ValueError("a bug of ours")
+
+    monkeypatch.setattr(FLCEPolicy, "explain_dict", broken)
+    with pytest.raises(ValueError, match="a bug of ours"):
+        main(["explain", "--model", "llama-3-8b", "--device", "H100", "--json"])
