@@ -418,3 +418,51 @@ def test_tune_writes_fastest_with_the_calibrated_rates(tmp_path, capsys, monkeyp
     assert isinstance(strategy, Fastest) and strategy.max_slab == "512MiB" and strategy.accum == "bf16"
     assert strategy.rates == {"matmul_flops": 5e14, "hbm_bytes_per_s": 3.5e12}
     assert "cost model calibrated here: GEMM 500 TFLOP/s, HBM 3.50 TB/s" in out.read_text()
+
+
+# --- issue 28: --json, and help that says what is required ---------------------------------------
+
+
+def test_help_gives_no_default_for_the_limits_it_requires(capsys):
+    assert main(["tune", "--help"]) == 0
+    out, _ = capsys.readouterr()
+    text = "".join(out.split())  # argparse wraps the help text, even at a hyphen
+    assert "(40GiB)" not in text and "(2GiB)" not in text
+    assert "e.g.40GiB(givethis,--max-slab,orboth)" in text
+    assert "e.g.2GiB(givethis,--max-peak,orboth)" in text
+    assert "thereisnodefault" in text
+    assert main(["tune", "--out", "p.yaml"]) == 2
+    _, err = capsys.readouterr()
+    assert "give --max-peak and/or --max-slab" in err
+
+
+def test_json_reports_what_was_written_and_measured(tmp_path, capsys, monkeypatch):
+    import json
+
+    from flce_policy import probe
+    from flce_policy.benchmarks import suite
+
+    def fake_run_suite(shapes, methods, *, logit_std, warmup, repeats, predict_peak, on_start, on_record):
+        by_chunk = {r.chunk_size: r for r in gemma_rows()}
+        return with_floor_ratios(
+            [by_chunk[predict_peak(m, shapes[0])[0] if m.name != "gemm_floor" else None] for m in methods]
+        )
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(probe, "probe_device", lambda index=None: H200)
+    monkeypatch.setattr(suite, "run_suite", fake_run_suite)
+    out = tmp_path / "h200.yaml"
+    argv = ["tune", "--shapes", "8192x5376x262144", "--max-peak", "5GiB", "--out", str(out), "--json"]
+    assert main(argv) == 0
+    stdout, err = capsys.readouterr()
+    data = json.loads(stdout)
+    written = FLCEPolicy.from_yaml(out)
+    assert data["out"] == str(out)
+    assert (
+        data["rule"] == written.rules[0].to_config() == {"match": "H200", "strategy": "slab_budget", "max_slab": "1GiB"}
+    )
+    assert data["limits"] == {"max_peak": 5 * GIB, "max_slab": None}
+    assert data["chosen_max_slab"] == GIB and data["within_tolerance"] is True
+    assert data["changed_families"] == ["H200"]
+    assert [r["chunk_size"] for r in data["records"]] == [None, 256, 512, 1024, 2048, 4096, 8192]
+    assert f"wrote {out}" in err  # the messages stay on stderr
