@@ -109,6 +109,7 @@ def strategy_from_config(config: Mapping[str, Any]) -> ChunkStrategy:
             raise StrategyError(f"{name}: required parameter {key!r} is missing", param=key)
     try:
         strategy = cls(**params)
+        strategy.get_params()  # a parameter kept under another name: said here, where the file names the strategy
     except TypeError as err:
         raise StrategyError(f"strategy {name!r}: {err}") from None
     strategy.validate_params()

@@ -386,3 +386,19 @@ def test_strategy_from_config_wants_a_mapping(config):
         strategy_from_config(config)  # type: ignore[arg-type]
     if isinstance(config, str):
         assert "write {'strategy': 'heuristic_c'}" in str(err.value)
+
+
+def test_a_parameter_kept_under_another_name_is_named_from_a_config(tmp_path, monkeypatch):
+    (tmp_path / "renamed_param_rules.py").write_text(
+        "from flce_policy.strategies import ChunkStrategy\n\n\n"
+        "class Renamed(ChunkStrategy):\n"
+        "    def __init__(self, rows: int = 64) -> None:\n"
+        "        self._rows = rows\n\n"
+        "    def pick_chunk_size(self, problem, device):\n"
+        "        return self._rows\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(
+        StrategyError, match=r"^strategy 'renamed_param_rules:Renamed': Renamed.__init__ takes .*'rows'"
+    ):
+        strategy_from_config({"strategy": "renamed_param_rules:Renamed", "rows": 8})
