@@ -43,12 +43,18 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "flce-policy bench") 
 
 def run_command(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], int], argv) -> int:
     """Parse ``argv`` and run; a user error prints ``error: ...`` lines on stderr and returns 2."""
+    from flce_policy.config import ConfigError
+    from flce_policy.strategies import StrategyError
+
     try:
         args = parser.parse_args(argv)
         return run(args)
     except SystemExit as exit_:  # --help
         return exit_.code if isinstance(exit_.code, int) else 0
-    except (UsageError, ValueError, OSError) as err:
+    except (UsageError, ConfigError, StrategyError, OSError) as err:
+        # user errors only: the command line, a policy file or strategy, a file to read or write (the
+        # library's ValueErrors about user input become UsageErrors where that input is used); any
+        # other exception is a bug and keeps its traceback
         for line in str(err).splitlines() or [""]:
             print(f"error: {line}", file=sys.stderr)
         return 2
@@ -168,7 +174,10 @@ def _measure(args: argparse.Namespace) -> int:
     from .suite import DEFAULT_SHAPES, Record, run_suite, with_floor_ratios
 
     policy = FLCEPolicy.default()
-    methods = select_methods(default_methods(policy=policy), args.methods)
+    try:
+        methods = select_methods(default_methods(policy=policy), args.methods)
+    except ValueError as err:  # --methods matching nothing
+        raise UsageError(str(err)) from None
     shapes = list(args.shapes or DEFAULT_SHAPES)
     device = probe_device()
     metadata = _metadata(device, policy, shapes, methods, args)
@@ -219,7 +228,10 @@ def _rerender(path: Path, args: argparse.Namespace) -> int:
 
     if not path.is_file():
         raise UsageError(f"--from-json {path}: no such file")
-    records, metadata = read_json(path)
+    try:
+        records, metadata = read_json(path)
+    except ValueError as err:  # not a bench results file
+        raise UsageError(f"--from-json {err}") from None
     records = with_floor_ratios(_with_time_model(records, metadata))
     if metadata.get("complete") is False:
         note = "is from a run that did not finish; it holds the rows measured before it stopped"

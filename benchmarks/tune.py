@@ -426,7 +426,10 @@ def run(args: argparse.Namespace) -> int:
     device = probe_device()
     limits = Limits(args.max_peak, args.max_slab)
     records = _measure(list(args.shapes or DEFAULT_SHAPES), device, args)
-    choice = choose(records, limits, device=device)
+    try:
+        choice = choose(records, limits, device=device)
+    except ValueError as err:  # nothing measured fits the limits given
+        raise UsageError(str(err)) from None
     about = _about(args)
     strategy, rates = None, None
     try:

@@ -466,3 +466,34 @@ def test_json_reports_what_was_written_and_measured(tmp_path, capsys, monkeypatc
     assert data["changed_families"] == ["H200"]
     assert [r["chunk_size"] for r in data["records"]] == [None, 256, 512, 1024, 2048, 4096, 8192]
     assert f"wrote {out}" in err  # the messages stay on stderr
+
+
+def test_nothing_fitting_the_limits_is_a_user_error(tmp_path, capsys, monkeypatch):
+    from flce_policy import probe
+    from flce_policy.benchmarks import suite
+
+    def fake_run_suite(shapes, methods, *, logit_std, warmup, repeats, predict_peak, on_start, on_record):
+        by_chunk = {r.chunk_size: r for r in gemma_rows()}
+        return [by_chunk[predict_peak(m, shapes[0])[0] if m.name != "gemm_floor" else None] for m in methods]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(probe, "probe_device", lambda index=None: H200)
+    monkeypatch.setattr(suite, "run_suite", fake_run_suite)
+    out = tmp_path / "p.yaml"
+    assert main(["tune", "--shapes", "8192x5376x262144", "--max-peak", "1GiB", "--out", str(out)]) == 2
+    _, err = capsys.readouterr()
+    (line,) = [line for line in err.splitlines() if line.startswith("error:")]
+    assert line.startswith("error: at 8192x5376x262144 no chunk size fits the limits (measured peak <= 1.00 GiB)")
+    assert "Traceback" not in err and not out.exists()
+
+
+def test_bench_user_errors_are_one_line(tmp_path, capsys, monkeypatch):
+    bad = tmp_path / "bench.json"
+    bad.write_text("{not json")
+    assert main(["bench", "--from-json", str(bad)]) == 2
+    _, err = capsys.readouterr()
+    assert err.startswith(f"error: --from-json {bad}: not JSON") and len(err.splitlines()) == 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert main(["bench", "--methods", "ligr_c1"]) == 2
+    _, err = capsys.readouterr()
+    assert err.startswith("error: --methods ligr_c1 matches no method") and len(err.splitlines()) == 1
