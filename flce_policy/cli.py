@@ -25,7 +25,7 @@ from rich.table import Table
 from flce_policy.config import CONFIG_VERSION, ConfigError
 from flce_policy.device import DeviceInfo
 from flce_policy.policy import CONFIG_ENV_VAR, FLCEPolicy
-from flce_policy.problem import DTYPE_ITEMSIZE, Problem, normalise_dtype, vocab_shard_sizes
+from flce_policy.problem import Problem, checked_dtype, vocab_shard_sizes
 from flce_policy.strategies import BUILTIN_STRATEGIES, StrategyError, strategy_from_config
 from flce_policy.units import format_bytes
 
@@ -112,10 +112,10 @@ def _shown(text: str) -> str:
 
 
 def _master_dtype(text: str) -> str:
-    dtype = normalise_dtype(text)
-    if dtype not in DTYPE_ITEMSIZE:
-        raise argparse.ArgumentTypeError(f"expected one of {', '.join(DTYPE_ITEMSIZE)}, got {_shown(text)}")
-    return dtype
+    try:
+        return checked_dtype(text, "a dtype")  # the dtypes the memory model knows: the one rule for all
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _build_parser() -> _Parser:

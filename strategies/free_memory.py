@@ -12,7 +12,7 @@ from flce_policy import memory_now
 from flce_policy.device import DeviceInfo
 from flce_policy.geometry import Geometry
 from flce_policy.memory import held_beside_slab
-from flce_policy.problem import DTYPE_ITEMSIZE, Problem
+from flce_policy.problem import Problem, checked_dtype
 from flce_policy.units import format_bytes, parse_bytes
 
 from .base import ChunkStrategy, StrategyError, checked_geometry
@@ -76,12 +76,11 @@ class FreeMemory(ChunkStrategy):
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
             raise StrategyError(f"free_memory: fraction must be a number in (0, 1], got {fraction!r}", param="fraction")
         self.reserve_bytes  # noqa: B018 - parses, raising StrategyError on a bad size
-        if self.accum_dtype is not None and self.accum_dtype not in DTYPE_ITEMSIZE:
-            raise StrategyError(
-                f"free_memory: accum_dtype must be null or one of {', '.join(DTYPE_ITEMSIZE)}; "
-                f"got {self.accum_dtype!r}",
-                param="accum_dtype",
-            )
+        if self.accum_dtype is not None:
+            try:
+                checked_dtype(self.accum_dtype, "accum_dtype")
+            except ValueError as err:
+                raise StrategyError(f"free_memory: {err}; or null (the weight dtype)", param="accum_dtype") from None
         cap = self.cap_strategy()
         if cap is not None:
             try:

@@ -403,7 +403,8 @@ def test_master_dtype_changes_the_known_gpu_table(capsys, no_gpu):
 def test_master_dtype_outside_the_table_is_refused(capsys, dtype, no_gpu):
     for device in ([], ["--device", "H100"]):
         line = user_error(capsys, "explain", "--model", "llama-3-8b", *device, "--master-dtype", dtype)
-        assert f"argument --master-dtype: expected one of bfloat16, float16, float32, got '{dtype}'" in line
+        assert "argument --master-dtype: a dtype must be one of bfloat16, float16, float32 " in line
+        assert line.endswith(f"got '{dtype}' (see flce-policy explain --help)")
 
 
 @pytest.mark.parametrize("digits", [400, 5000])
