@@ -1,14 +1,17 @@
 """Hugging Face transformers: train a causal LM through the fused loss with one call, :func:`apply_flce`.
 
-The patch keeps the model's own forward. In training with labels, the model's ``lm_head`` (its
-output embeddings) is asked, for that one call, to compute the loss of the hidden states it is
-given instead of their logits, and to return empty logits; everything the family's forward does
-around it (the body, ``logits_to_keep``, MoE router losses, its output class) runs unchanged.
-The loss is computed inside the head module's own call, so the hooks that FSDP2 or DeepSpeed
-attach to that module have gathered its weight; the empty logits depend on the loss and the loss
-returned depends on them, so the module's backward hooks (FSDP2's unshard, ZeRO-3's re-gather
-before the weight's gradient is accumulated) fire as they do for any layer. Without labels, or in
-``eval()`` mode, the original forward runs and returns the logits.
+The patch keeps the model's own forward. When a call has ``labels`` and autograd is recording
+(``torch.is_grad_enabled()`` and a parameter or an input tensor requires grad; ``train()`` or
+``eval()`` alike), the model's ``lm_head`` (its output embeddings) is asked, for that one call, to
+compute the loss of the hidden states it is given instead of their logits, and to return empty
+logits; the model's ``loss_function`` then returns that loss. Everything the family's forward does
+around them (the body, ``logits_to_keep``, MoE router losses added as the family adds them, its
+output class and tuple) runs unchanged. The loss is computed inside the head module's own call,
+so the hooks that FSDP2 or DeepSpeed attach to that module have gathered its weight; the empty
+logits depend on the loss and the loss returned depends on them, so the module's backward hooks
+(FSDP2's unshard, ZeRO-3's re-gather before the weight's gradient is accumulated) fire as they do
+for any layer. Without labels, or with autograd not recording (evaluation under ``no_grad``), the
+original forward runs and returns the logits.
 
 :func:`causal_lm_loss` is the loss alone: HF's ``ForCausalLMLoss`` on hidden states.
 """
@@ -23,7 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flce_policy.integrations.hf_families import LogitTransform, logit_transform
+from flce_policy.integrations.hf_families import (
+    LogitTransform,
+    forward_logit_reads,
+    logit_transform,
+    unapplied_forward_reads,
+)
 from flce_policy.loss import FLCEOutput, fused_linear_cross_entropy
 from flce_policy.options import LossOptions
 from flce_policy.sharded import gathered_zero3
@@ -68,6 +76,13 @@ def causal_lm_loss(
             raise TypeError(
                 f"causal_lm_loss takes no {name!r}: HF's semantics fix it (sum / num_items_in_batch or mean)"
             )
+    if num_items_in_batch is not None and (
+        isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, (int, torch.Tensor))
+    ):
+        raise TypeError(
+            f"num_items_in_batch must be an int or a tensor (the batch's non-ignored token count), "
+            f"got {type(num_items_in_batch).__name__} {num_items_in_batch!r}"
+        )
     if labels is None and shift_labels is None:
         raise ValueError("causal_lm_loss needs labels (shifted here) or shift_labels (used as given, as HF does)")
     if shift_labels is None:
@@ -100,29 +115,37 @@ def causal_lm_loss(
 
 @dataclasses.dataclass
 class _Patch:
-    """What ``apply_flce`` keeps on the model: the settings, the original forward, pending head calls."""
+    """What ``apply_flce`` keeps on the model: the settings, the originals, pending fused calls."""
 
     policy: Any
     options: dict[str, Any]
     transform: LogitTransform
     original_forward: Any
+    original_loss_function: Any  # the instance's own ``_loss_function`` before the patch (None: the class's)
     pending: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
 def apply_flce(model: nn.Module, policy: Any = None, **loss_options: Any) -> nn.Module:
-    """Patch ``model`` (this instance) so that training with labels computes its loss through FLCE.
+    """Patch ``model`` (this instance) so that a training call with labels computes its loss through FLCE.
 
-    ``model`` is a transformers ``*ForCausalLM`` (a PEFT model is unwrapped to its base model).
-    In ``train()`` mode with ``labels`` or ``shift_labels``, the forward returns HF's loss
-    (``num_items_in_batch`` honoured, MoE router loss added as HF does, Gemma's softcap and
-    Cohere/Granite logit scales applied) with ``logits=None``: the ``[B, T, V]`` logits are never
-    made. Otherwise the original forward runs. A softcap is rounded as HF's forward rounds it
-    (``softcap_rounding="eager"``: each op in the logits' dtype) unless ``softcap_rounding="fp32"``
-    is passed. ``policy`` and ``loss_options`` (``z_loss_scale``,
+    ``model`` is a transformers causal LM (``*ForCausalLM``, or an image-text
+    ``*ForConditionalGeneration`` whose forward calls its ``lm_head`` and ``self.loss_function``;
+    a PEFT model is unwrapped to its base model). When a call has ``labels`` and autograd is
+    recording (``torch.is_grad_enabled()`` and a parameter or an input tensor requires grad), in
+    ``train()`` or ``eval()`` mode alike, the forward returns HF's loss (``num_items_in_batch`` and
+    ``shift_labels`` honoured, the MoE router loss added by the family's own code, the family's
+    softcap and logit scale applied, read from its text config where it has one) with
+    ``logits=None`` (``[B, T, 0]`` logits in a ``return_dict=False`` tuple): the ``[B, T, V]``
+    logits are never made. Otherwise (no labels; evaluation under ``torch.no_grad()``, where HF's
+    Trainer wants the logits) the original forward runs. A model whose forward changes its logits
+    in a way the family table does not apply, or whose loss is not HF's ``ForCausalLMLoss``, is
+    refused with a ``ValueError`` naming what it does. A softcap is rounded as HF's forward rounds
+    it (``softcap_rounding="eager"``: each op in the logits' dtype) unless
+    ``softcap_rounding="fp32"`` is passed. ``policy`` and ``loss_options`` (``z_loss_scale``,
     ``use_token_scaling``, ``return_token_accuracy``, ``return_predicted_tokens``, ``accum_dtype``,
     ``return_entropy``, ...) go to :func:`causal_lm_loss`; returned extras land on the output as
-    ``token_accuracy``, ``z_loss``, ``predicted_tokens``, ``entropy``. Applying it again replaces the
-    settings. Returns ``model``.
+    ``token_accuracy``, ``z_loss`` (None unless ``return_z_loss=True``), ``predicted_tokens``,
+    ``entropy``. Applying it again replaces the settings. Returns ``model``.
     """
     base = _unwrap(model)
     for name in _FIXED_OPTIONS + ("softcap", "bias", "class_weight"):
@@ -131,30 +154,81 @@ def apply_flce(model: nn.Module, policy: Any = None, **loss_options: Any) -> nn.
             raise TypeError(f"apply_flce takes no {name!r}: it follows the model ({source})")
     LossOptions(**loss_options)  # bad option names or values fail here, not at the first step
     transform = logit_transform(base.config)
+    head = _output_embeddings(base)  # a model without an lm_head fails now
+    previous = getattr(base, "_flce_patch", None)
+    original = previous.original_forward if previous is not None else base.forward
+    own_loss = previous.original_loss_function if previous is not None else base.__dict__.get("_loss_function")
+    _check_forward(base, head, own_loss)
     if transform.softcap is not None:
         # HF's forward softcaps the logits op by op in their dtype: the same roundings, the same losses
         loss_options = {"softcap_rounding": "eager", **loss_options}
-    _output_embeddings(base)  # a model without an lm_head fails now
-    previous = getattr(base, "_flce_patch", None)
-    original = previous.original_forward if previous is not None else base.forward
-    patch = _Patch(policy, dict(loss_options), transform, original)
+    patch = _Patch(policy, dict(loss_options), transform, original, own_loss)
     base._flce_patch = patch
     base.forward = _patched_forward(base, patch)
+    base.loss_function = _patched_loss_function(base, patch)
     _intercept_head(base, patch)  # now, not inside a (possibly compiled) first step
     return model
 
 
 def remove_flce(model: nn.Module) -> nn.Module:
-    """Undo :func:`apply_flce` on this instance (the forward and the head's forward become the originals)."""
+    """Undo :func:`apply_flce` on this instance (forward, loss function and head's forward become the originals)."""
     base = _unwrap(model)
     patch = base.__dict__.pop("_flce_patch", None)
     if patch is not None:
         base.__dict__.pop("forward", None)
+        base.__dict__.pop("_loss_function", None)
+        if patch.original_loss_function is not None:
+            base._loss_function = patch.original_loss_function
         head = base.get_output_embeddings()
         if head is not None:
             for name in ("forward", "_flce_head", "_flce_original_forward"):
                 head.__dict__.pop(name, None)
     return model
+
+
+def _check_forward(base: nn.Module, head: nn.Module, own_loss: Any) -> None:
+    """Refuse a model whose loss the fused path would compute differently (ValueError naming why)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    name = type(base).__name__
+    if not isinstance(getattr(type(base), "loss_function", None), property):
+        raise TypeError(f"apply_flce needs a transformers PreTrainedModel (with a loss_function), got {name}")
+    loss_function = _hf_loss_function(base, own_loss)
+    if loss_function is not ForCausalLMLoss:
+        raise ValueError(
+            f"{name}'s loss_function is {getattr(loss_function, '__name__', loss_function)!r} (loss_type="
+            f"{getattr(base, 'loss_type', None)!r}), not HF's ForCausalLMLoss: apply_flce computes only that loss"
+        )
+    head_path = next(path for path, module in base.named_modules() if module is head)
+    found = forward_logit_reads(base, head_path)
+    if found is not None and not found[1]:
+        raise ValueError(
+            f"{name}.forward does not compute its loss with self.loss_function (HF's standard shape), so "
+            "apply_flce cannot take its place; train it with its own loss"
+        )
+    stray = unapplied_forward_reads(base, head_path)
+    if stray:
+        raise ValueError(
+            f"{name}.forward changes its logits between {head_path} and its loss with {', '.join(stray)}, which "
+            "flce-policy does not apply (flce_policy/integrations/hf_families.py): refusing rather than computing "
+            "a different loss"
+        )
+
+
+def _hf_loss_function(base: nn.Module, own_loss: Any) -> Any:
+    """The loss function HF's ``loss_function`` property gives ``base`` without apply_flce's."""
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+
+    return own_loss if own_loss is not None else LOSS_MAPPING.get(getattr(base, "loss_type", None), ForCausalLMLoss)
+
+
+def _autograd_recording(base: nn.Module, args: tuple, kwargs: dict[str, Any]) -> bool:
+    """The fused loss runs when gradients will be asked for: grad mode on and something requiring grad."""
+    if not torch.is_grad_enabled():
+        return False
+    if any(isinstance(v, torch.Tensor) and v.requires_grad for v in (*args, *kwargs.values())):
+        return True
+    return any(p.requires_grad for p in base.parameters())
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -190,12 +264,14 @@ def _output_embeddings(base: nn.Module) -> nn.Module:
 def _patched_forward(base: nn.Module, patch: _Patch) -> Any:
     @functools.wraps(patch.original_forward)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        labels, shift_labels = kwargs.get("labels"), kwargs.get("shift_labels")
-        if not base.training or (labels is None and shift_labels is None):
+        labels = kwargs.get("labels")
+        if labels is None or not _autograd_recording(base, args, kwargs):
             return patch.original_forward(*args, **kwargs)
+        if isinstance(labels, torch.Tensor) and labels.device.type == "meta":
+            raise ValueError("apply_flce: labels are on the meta device (no values); pass them on the model's device")
         call = {
-            "labels": kwargs.pop("labels", None),
-            "shift_labels": kwargs.pop("shift_labels", None),
+            "labels": labels,
+            "shift_labels": kwargs.get("shift_labels"),
             "num_items_in_batch": kwargs.get("num_items_in_batch"),
         }
         _intercept_head(base, patch)
@@ -209,9 +285,41 @@ def _patched_forward(base: nn.Module, patch: _Patch) -> Any:
                 f"{type(base).__name__}.forward never called its lm_head (get_output_embeddings()), so apply_flce "
                 "computed no loss; this model's forward does not have HF's standard shape"
             )
-        return _with_loss(base, out, call["result"])
+        if not call.get("returned"):
+            raise RuntimeError(
+                f"{type(base).__name__}.forward never called self.loss_function with the labels, so apply_flce's "
+                "loss was not used; this model's forward does not have HF's standard shape"
+            )
+        return _without_logits(out, call["result"])
 
     return forward
+
+
+def _patched_loss_function(base: nn.Module, patch: _Patch) -> Any:
+    """HF's loss function, answered from the pending call's fused loss (HF's own when none is pending)."""
+
+    def loss_function(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None, **kwargs: Any) -> Any:
+        if not patch.pending:
+            return _hf_loss_function(base, patch.original_loss_function)(logits, labels, vocab_size, **kwargs)
+        call = patch.pending[-1]
+        same = (
+            labels is call["labels"]
+            and kwargs.get("shift_labels") is call["shift_labels"]
+            and kwargs.get("num_items_in_batch") is call["num_items_in_batch"]
+            and kwargs.get("ignore_index", -100) == -100
+        )
+        if "result" not in call or not same or logits.shape[-1] != 0:
+            raise RuntimeError(
+                f"{type(base).__name__}.forward computed its loss from other labels, options or logits than the ones "
+                "its lm_head was given; apply_flce cannot stand in for this model's loss"
+            )
+        call["returned"] = True
+        result = call["result"]
+        loss = result.loss if isinstance(result, FLCEOutput) else result
+        # exactly 0: routes the backward through the head's output (_EmptyLogits) and what followed it
+        return loss + logits.sum() if logits.requires_grad else loss
+
+    return loss_function
 
 
 def _intercept_head(base: nn.Module, patch: _Patch) -> None:
@@ -281,24 +389,16 @@ class _EmptyLogits(torch.autograd.Function):
         return torch.zeros((), dtype=ctx.loss_dtype, device=grad.device), None
 
 
-def _with_loss(base: nn.Module, out: Any, result: torch.Tensor | FLCEOutput) -> Any:
-    """HF's output of the call, with the fused loss (plus HF's MoE router loss) and no logits."""
-    loss = result.loss if isinstance(result, FLCEOutput) else result
-    logits = out[0] if isinstance(out, tuple) else out.get("logits")
-    if isinstance(logits, torch.Tensor) and logits.numel() == 0 and logits.requires_grad:
-        loss = loss + logits.sum()  # exactly 0: routes the backward through the head's output (_EmptyLogits)
-    if isinstance(out, tuple):  # return_dict=False: HF's tuple with the loss first and no logits
-        return (loss, *out[1:])
-    aux_loss = getattr(out, "aux_loss", None)
-    if aux_loss is not None:
-        # HF adds the router load-balancing loss to the LM loss when it computed one
-        coef = getattr(base, "router_aux_loss_coef", None)
-        if coef is None:
-            coef = base.config.router_aux_loss_coef
-        loss = loss + coef * aux_loss.to(loss.device)
+def _without_logits(out: Any, result: torch.Tensor | FLCEOutput) -> Any:
+    """HF's output of the call (its loss is the fused one, plus the family's router loss) without the logits.
+
+    A tuple (``return_dict=False``) is HF's own, with the empty ``[B, T, 0]`` logits in place.
+    """
+    if isinstance(out, tuple):
+        return out
     # A new output of the family's class: ModelOutput drops a None field only when it is built.
     fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
-    new = type(out)(loss=loss, **fields)
+    new = type(out)(loss=out.loss, **fields)
     if isinstance(result, FLCEOutput):
         for name in FLCE_OUTPUT_FIELDS:
             value = getattr(result, name)
