@@ -1,7 +1,11 @@
 """``flce-policy``: see what the probe sees, explain a decision, validate a policy file, benchmark.
 
 User errors (bad YAML, unknown strategy or device, bad numbers) print one line per problem on
-stderr and exit 2, never a traceback. ``--json`` prints machine-readable JSON on stdout: for
+stderr and exit 2, never a traceback. They are told apart where user input is parsed: the argument
+types, :func:`_problem`, :func:`_policy` and :func:`_device` turn the library's ValueErrors into
+usage errors naming the option, and policy files and strategies raise their own ConfigError and
+StrategyError; :func:`main` catches only those, so any other exception is a bug and keeps its
+traceback. ``--json`` prints machine-readable JSON on stdout: for
 ``explain`` one decision object (``chunk_size``, ``num_chunks``, ``slab_bytes``, ...) for one device,
 or ``{"problem", "policy", "decisions": [...]}`` for the known-GPU table. The active policy is
 ``--config FILE``, else the file ``$FLCE_POLICY_CONFIG`` names, else the packaged default.

@@ -16,7 +16,7 @@ from __future__ import annotations
 from flce_policy.device import DeviceInfo
 from flce_policy.geometry import Geometry
 from flce_policy.problem import Problem
-from flce_policy.strategies import ChunkStrategy
+from flce_policy.strategies import ChunkStrategy, checked_geometry
 
 __all__ = ["strategy_geometry", "clear_strategy_cache"]
 
@@ -29,11 +29,11 @@ _cache: dict[tuple[type, str, Problem, DeviceInfo], Geometry] = {}
 def strategy_geometry(strategy: ChunkStrategy, problem: Problem, device: DeviceInfo) -> Geometry:
     """``strategy.geometry(problem, device)``, asked once per parameters, problem and device unless dynamic."""
     if strategy.dynamic:
-        return strategy.geometry(problem, device)
+        return checked_geometry(strategy, problem, device)
     key = (type(strategy), strategy.params_key(), problem, device)
     geometry = _cache.get(key)
     if geometry is None:
-        geometry = strategy.geometry(problem, device)  # an invalid strategy raises here, and is never stored
+        geometry = checked_geometry(strategy, problem, device)  # an invalid strategy raises here, never stored
         if len(_cache) >= _CACHE_LIMIT:
             _cache.clear()
         _cache[key] = geometry

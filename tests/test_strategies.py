@@ -380,6 +380,16 @@ def test_a_geometry_that_is_not_a_geometry_is_named_where_it_is_asked():
         FLCEPolicy(default=AnswersWithRows()).resolve(Problem(1024, 64, 1000), H100)
 
 
+def test_a_geometry_that_is_not_a_geometry_is_named_when_the_loss_is_given_the_strategy():
+    import torch
+
+    from flce_policy import fused_linear_cross_entropy
+
+    x, w, y = torch.randn(8, 16), torch.randn(32, 16), torch.randint(0, 32, (8,))
+    with pytest.raises(TypeError, match=r"AnswersWithRows.geometry\(\) returned int 64, not a flce_policy.Geometry"):
+        fused_linear_cross_entropy(x, w, y, policy=AnswersWithRows())
+
+
 @pytest.mark.parametrize("config", ["heuristic_c", ["heuristic_c"], None, 5])
 def test_strategy_from_config_wants_a_mapping(config):
     with pytest.raises(TypeError, match="strategy_from_config expects a mapping") as err:
