@@ -1,5 +1,6 @@
 """Train a tiny Llama with HF's Trainer through flce-policy: seconds on a CPU, or on a GPU.
 
+    pip install -e ".[hf]"   # transformers and accelerate (HF's Trainer needs it)
     python examples/train_tiny_hf.py [--steps 4]
 
 The model is built from a config (no download); the data is random tokens. On a machine without
