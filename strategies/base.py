@@ -132,7 +132,8 @@ def checked_geometry(
     ``geometry`` wrongly) where it is asked, instead of an AttributeError deep in the loss."""
     geometry = strategy.geometry(problem, device, rule=rule)
     if not isinstance(geometry, Geometry):
-        raise TypeError(
+        # a StrategyError, as a pick_chunk_size answer that is not an int is: the strategy's answer is invalid
+        raise StrategyError(
             f"{type(strategy).__qualname__}.geometry() returned {type(geometry).__name__} {geometry!r:.80}, "
             "not a flce_policy.Geometry; override pick_chunk_size to return rows, or return "
             "Geometry.for_problem(problem, chunk_size, ...) from geometry"

@@ -485,3 +485,27 @@ def test_an_internal_error_keeps_its_traceback(monkeypatch):
     monkeypatch.setattr(FLCEPolicy, "explain_dict", broken)
     with pytest.raises(ValueError, match="a bug of ours"):
         main(["explain", "--model", "llama-3-8b", "--device", "H100", "--json"])
+
+
+def test_a_user_strategy_that_breaks_the_contract_is_one_line(tmp_path, capsys, monkeypatch):
+    (tmp_path / "cli_contract_rules.py").write_text(
+        "from flce_policy.strategies import ChunkStrategy\n\n\n"
+        "class Renamed(ChunkStrategy):\n"
+        "    def __init__(self, rows: int = 64) -> None:\n"
+        "        self._rows = rows\n\n"
+        "    def pick_chunk_size(self, problem, device):\n"
+        "        return self._rows\n\n\n"
+        "class AnswersWithRows(ChunkStrategy):\n"
+        "    def pick_chunk_size(self, problem, device):\n"
+        "        return 64\n\n"
+        "    def geometry(self, problem, device, *, rule=None):\n"
+        "        return 64\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    explain = ["explain", "--model", "llama-3-8b", "--device", "H100", "--strategy"]
+    line = user_error(capsys, *explain, "cli_contract_rules:Renamed")
+    assert line.startswith(
+        "error: --strategy: strategy 'cli_contract_rules:Renamed': Renamed.__init__ takes a parameter"
+    )
+    line = user_error(capsys, *explain, "cli_contract_rules:AnswersWithRows")
+    assert line.startswith("error: AnswersWithRows.geometry() returned int 64, not a flce_policy.Geometry")

@@ -376,7 +376,9 @@ class AnswersWithRows(ChunkStrategy):
 def test_a_geometry_that_is_not_a_geometry_is_named_where_it_is_asked():
     from flce_policy.policy import FLCEPolicy
 
-    with pytest.raises(TypeError, match=r"AnswersWithRows.geometry\(\) returned int 64, not a flce_policy.Geometry"):
+    with pytest.raises(
+        StrategyError, match=r"AnswersWithRows.geometry\(\) returned int 64, not a flce_policy.Geometry"
+    ):
         FLCEPolicy(default=AnswersWithRows()).resolve(Problem(1024, 64, 1000), H100)
 
 
@@ -386,7 +388,9 @@ def test_a_geometry_that_is_not_a_geometry_is_named_when_the_loss_is_given_the_s
     from flce_policy import fused_linear_cross_entropy
 
     x, w, y = torch.randn(8, 16), torch.randn(32, 16), torch.randint(0, 32, (8,))
-    with pytest.raises(TypeError, match=r"AnswersWithRows.geometry\(\) returned int 64, not a flce_policy.Geometry"):
+    with pytest.raises(
+        StrategyError, match=r"AnswersWithRows.geometry\(\) returned int 64, not a flce_policy.Geometry"
+    ):
         fused_linear_cross_entropy(x, w, y, policy=AnswersWithRows())
 
 
