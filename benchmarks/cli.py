@@ -230,8 +230,11 @@ def _rerender(path: Path, args: argparse.Namespace) -> int:
         raise UsageError(f"--from-json {path}: no such file")
     try:
         records, metadata = read_json(path)
-    except ValueError as err:  # not a bench results file
-        raise UsageError(f"--from-json {err}") from None
+    except (
+        ValueError
+    ) as err:  # not a bench results file (read_json's messages start with the path; a decode error's not)
+        message = str(err) if str(err).startswith(str(path)) else f"{path}: {err}"
+        raise UsageError(f"--from-json {message}") from None
     records = with_floor_ratios(_with_time_model(records, metadata))
     if metadata.get("complete") is False:
         note = "is from a run that did not finish; it holds the rows measured before it stopped"

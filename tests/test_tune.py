@@ -493,6 +493,10 @@ def test_bench_user_errors_are_one_line(tmp_path, capsys, monkeypatch):
     assert main(["bench", "--from-json", str(bad)]) == 2
     _, err = capsys.readouterr()
     assert err.startswith(f"error: --from-json {bad}: not JSON") and len(err.splitlines()) == 1
+    bad.write_bytes(b"\xff\xfe")
+    assert main(["bench", "--from-json", str(bad)]) == 2
+    _, err = capsys.readouterr()
+    assert err.startswith(f"error: --from-json {bad}: 'utf-8' codec can't decode") and len(err.splitlines()) == 1
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert main(["bench", "--methods", "ligr_c1"]) == 2
     _, err = capsys.readouterr()
