@@ -97,7 +97,8 @@ def fused_linear_cross_entropy(
             effect on fp32 logits or without ``softcap``.
         z_loss_scale: adds ``z_loss_scale * logsumexp(logits)**2`` per non-ignored token, averaged
             over the non-ignored tokens for ``mean`` (not class-weighted).
-        class_weight: ``[V]`` per-class weights as ``F.cross_entropy``'s ``weight``.
+        class_weight: ``[V]`` per-class weights as ``F.cross_entropy``'s ``weight``: any sign; ``mean``
+            divides by the kept targets' weight sum whatever its value (0 or NaN give NaN, as torch).
         accum_dtype: ``torch.float32`` accumulates grad_weight over chunks in fp32. None: what the
             geometry plans (``Fastest(accum="fp32")`` and ``FreeMemory(accum_dtype="float32")``
             plan fp32), else the weight dtype. Asking for another than the planned one is an error.
@@ -124,7 +125,9 @@ def fused_linear_cross_entropy(
             parallel region all-reduces it.
 
     Differences from ``F.cross_entropy``: the loss is float32 whatever the input dtype; ``mean``
-    over zero non-ignored tokens (all ignored, or empty input) is 0 with zero gradients, not NaN.
+    over zero non-ignored tokens (all ignored, or empty input) is 0 with zero gradients, not NaN;
+    ``V = 0`` is a ValueError; there is no second derivative: a gradient returned under
+    ``create_graph=True`` requires grad, and differentiating it raises RuntimeError.
     """
     options = LossOptions(
         ignore_index=ignore_index,
