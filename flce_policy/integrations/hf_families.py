@@ -60,37 +60,28 @@ _GRANITE = _Family(scale_attr="logits_scaling", scale_divides=True)
 #: ``config.model_type`` (the top-level one) -> family. Each entry is tested against HF's own loss
 #: (``tests/test_hf_integration.py``, ``tests/test_hf_sweep.py``).
 FAMILIES: dict[str, _Family] = {
-    "llama": _PLAIN,
-    "mistral": _PLAIN,
-    "mixtral": _PLAIN,
-    "qwen2": _PLAIN,
-    "qwen3": _PLAIN,
-    "qwen3_moe": _PLAIN,
-    "phi3": _PLAIN,
-    "olmo2": _PLAIN,
+    **dict.fromkeys(("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3", "olmo2"), _PLAIN),
     "gemma": _PLAIN,
-    "jetmoe": _PLAIN,
-    "gemma2": _SOFTCAP,
-    "gemma3_text": _SOFTCAP,
-    "gemma3": _SOFTCAP,  # multimodal: its text config's softcap
-    "gemma3n_text": _SOFTCAP,
-    "gemma3n": _SOFTCAP,
-    "gemma4_text": _SOFTCAP,
-    "gemma4": _SOFTCAP,
+    "jetmoe": _PLAIN,  # its router loss coefficient is `aux_loss_coef`: its own forward adds it
+    # their text config sets a logit attribute that their own forward does not apply (transformers 5.24):
+    "aya_vision": _PLAIN,  # Cohere2's logit_scale
+    "cohere2_vision": _PLAIN,  # Cohere2's logit_scale
+    "mpt": _PLAIN,  # logit_scale
+    "minicpm3": _PLAIN,  # logits_scaling (it scales the hidden states before lm_head instead)
+    **dict.fromkeys(("gemma2", "gemma3_text", "gemma3n_text", "gemma4_text", "gemma4_unified_text"), _SOFTCAP),
+    # multimodal: their text config's softcap (gemma3's multimodal class does not apply it in 5.24, which
+    # the forward guard sees: a family attribute the forward does not read is not applied)
+    **dict.fromkeys(("gemma3", "gemma3n", "gemma4", "gemma4_unified", "shieldgemma2"), _SOFTCAP),
     "paligemma": _SOFTCAP,  # PaliGemma 2's Gemma-2 text config sets it; PaliGemma 1's has none
-    "vaultgemma": _SOFTCAP,
-    "nanochat": _SOFTCAP,
-    "beam": _SOFTCAP,
+    **dict.fromkeys(("vaultgemma", "nanochat", "beam"), _SOFTCAP),
     "recurrent_gemma": _Family(softcap_attr="logits_soft_cap"),
-    "cohere": _COHERE,
-    "cohere2": _COHERE,
-    "cohere2_moe": _COHERE,
-    "granite": _GRANITE,
-    "granitemoe": _GRANITE,
-    "granitemoeshared": _GRANITE,
-    "granitemoehybrid": _GRANITE,
-    "granite_docling": _GRANITE,  # its text config's logits_scaling
+    **dict.fromkeys(("cohere", "cohere2", "cohere2_moe"), _COHERE),
+    **dict.fromkeys(("granite", "granitemoe", "granitemoeshared", "granitemoehybrid"), _GRANITE),
+    **dict.fromkeys(("granite_swa", "granitemoe_swa", "granite_docling"), _GRANITE),  # docling: its text config's
+    # HyperCLOVA X multiplies by its logits_scaling (MuP), where Granite divides
+    **dict.fromkeys(("hyperclovax", "hyperclovax_vision_v2"), _Family(scale_attr="logits_scaling")),
     "falcon_h1": _Family(scale_attr="lm_head_multiplier"),
+    "muse_glimmer": _Family(softcap_attr="final_logit_softcapping", scale_attr="output_multiplier"),
 }
 
 #: Config attributes that change the logits after ``lm_head`` in some family of transformers 5.24
@@ -143,8 +134,13 @@ def unapplied_transform_attributes(config: Any) -> list[str]:
     return [a for a in TRANSFORM_ATTRIBUTES if a not in applied and not _is_neutral(_read(config, a))]
 
 
-def logit_transform(config: Any) -> LogitTransform:
-    """The transform ``config``'s family applies to its logits; ValueError for an unknown transform."""
+def logit_transform(config: Any, read: tuple[str, ...] | None = None) -> LogitTransform:
+    """The transform ``config``'s family applies to its logits; ValueError for an unknown transform.
+
+    ``read``: the attribute names the model's forward reads between its head and its loss
+    (:func:`forward_logit_reads`), where known; a family attribute it does not read is not applied
+    (the installed transformers may have dropped a family's transform from one of its classes).
+    """
     model_type = getattr(config, "model_type", None)
     family = FAMILIES.get(model_type)
     if family is None:
@@ -155,8 +151,10 @@ def logit_transform(config: Any) -> LogitTransform:
                 f"logits, so it cannot compute its loss without them; supported families: {', '.join(FAMILIES)}"
             )
         return LogitTransform()
-    softcap = _read(config, family.softcap_attr) if family.softcap_attr else None
-    scale = _read(config, family.scale_attr) if family.scale_attr else None
+    attrs = (family.softcap_attr, family.scale_attr)
+    softcap_attr, scale_attr = (a if read is None or a in read else None for a in attrs)
+    softcap = _read(config, softcap_attr) if softcap_attr else None
+    scale = _read(config, scale_attr) if scale_attr else None
     if scale is None:
         scale = 1.0
     elif family.scale_divides:
@@ -195,7 +193,10 @@ def _forward_reads(forward: Any, head_path: str) -> tuple[tuple[str, ...], bool]
     function = ast.parse(source).body[0]
     heads = {"self." + ".".join(head_path.split(".")[:i]) for i in range(1, head_path.count(".") + 2)}
     calls = [n for n in ast.walk(function) if isinstance(n, ast.Call)]
-    head_lines = [c.lineno for c in calls if _dotted(c.func) in heads]
+    head_calls = [c for c in calls if _dotted(c.func) in heads]
+    head_lines = [c.lineno for c in head_calls]
+    # what the head is given (a transform of the hidden states before it) is what the fused loss is given
+    head_inputs = {id(n) for c in head_calls for a in (*c.args, *c.keywords) for n in ast.walk(a)}
     loss_lines = [c.lineno for c in calls if _dotted(c.func) == "self.loss_function"]
     if not head_lines:
         return (), bool(loss_lines)
@@ -203,7 +204,7 @@ def _forward_reads(forward: Any, head_path: str) -> tuple[tuple[str, ...], bool]
     end = min([line for line in loss_lines if line >= start], default=start)
     reads: set[str] = set()
     for node in ast.walk(function):
-        if not start <= getattr(node, "lineno", -1) < end:
+        if not start <= getattr(node, "lineno", -1) < end or id(node) in head_inputs:
             continue
         if isinstance(node, ast.Attribute):
             chain = _dotted(node)
@@ -213,6 +214,7 @@ def _forward_reads(forward: Any, head_path: str) -> tuple[tuple[str, ...], bool]
             obj, name = _dotted(node.args[0]), node.args[1]
             if obj is not None and obj.startswith("self") and isinstance(name, ast.Constant):
                 reads.add(f"{obj}.{name.value}")
+    reads = {r for r in reads if not any(r == h or r.startswith(h + ".") for h in heads)}  # the head's own
     maximal = {r for r in reads if not any(o.startswith(r + ".") for o in reads)}
     return tuple(sorted(maximal)), bool(loss_lines)
 

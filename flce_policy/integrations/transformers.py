@@ -153,12 +153,12 @@ def apply_flce(model: nn.Module, policy: Any = None, **loss_options: Any) -> nn.
             source = "HF's loss semantics" if name in _FIXED_OPTIONS else "its config and lm_head"
             raise TypeError(f"apply_flce takes no {name!r}: it follows the model ({source})")
     LossOptions(**loss_options)  # bad option names or values fail here, not at the first step
-    transform = logit_transform(base.config)
     head = _output_embeddings(base)  # a model without an lm_head fails now
     previous = getattr(base, "_flce_patch", None)
     original = previous.original_forward if previous is not None else base.forward
     own_loss = previous.original_loss_function if previous is not None else base.__dict__.get("_loss_function")
-    _check_forward(base, head, own_loss)
+    read = _check_forward(base, head, own_loss)
+    transform = logit_transform(base.config, read)
     if transform.softcap is not None:
         # HF's forward softcaps the logits op by op in their dtype: the same roundings, the same losses
         loss_options = {"softcap_rounding": "eager", **loss_options}
@@ -186,8 +186,11 @@ def remove_flce(model: nn.Module) -> nn.Module:
     return model
 
 
-def _check_forward(base: nn.Module, head: nn.Module, own_loss: Any) -> None:
-    """Refuse a model whose loss the fused path would compute differently (ValueError naming why)."""
+def _check_forward(base: nn.Module, head: nn.Module, own_loss: Any) -> tuple[str, ...] | None:
+    """Refuse a model whose loss the fused path would compute differently (ValueError naming why).
+
+    Returns the attribute names its forward reads between its head and its loss (None: source unknown).
+    """
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     name = type(base).__name__
@@ -213,6 +216,7 @@ def _check_forward(base: nn.Module, head: nn.Module, own_loss: Any) -> None:
             "flce-policy does not apply (flce_policy/integrations/hf_families.py): refusing rather than computing "
             "a different loss"
         )
+    return None if found is None else tuple(chain.rsplit(".", 1)[-1] for chain in found[0])
 
 
 def _hf_loss_function(base: nn.Module, own_loss: Any) -> Any:

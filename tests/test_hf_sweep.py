@@ -1,0 +1,74 @@
+"""Every causal-LM and image-text model type of the installed transformers: HF's loss, or a clear refusal.
+
+The sweep itself is ``tests/hf_sweep.py`` (its docstring says what each outcome checks). Here each
+type is one test: ``matched``, ``refused`` (flce-policy's own error naming what the model does) and
+``skipped`` (the reason listed in docs/integrations.md's table) pass; a different loss or a crash
+inside a library fails.
+"""
+
+from __future__ import annotations
+
+import ast
+import glob
+import os
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+import hf_sweep  # noqa: E402
+
+from flce_policy.integrations.hf_families import FAMILIES, TRANSFORM_ATTRIBUTES, _dotted  # noqa: E402
+from flce_policy.kernels.ce_kernel import KERNELS_INTERPRETED  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not KERNELS_INTERPRETED, reason="the sweep runs on CPU under the Triton interpreter")
+
+#: model types the family table lists that the sweep must match (not refuse or skip)
+MUST_MATCH = sorted(set(FAMILIES) & set(hf_sweep.model_types()) - {"gemma3n", "gemma3n_text"})
+
+
+@pytest.mark.parametrize("model_type", hf_sweep.model_types())
+def test_model_type_matches_hf_or_is_refused_clearly(model_type):
+    outcome = hf_sweep.run(model_type)
+    assert outcome.status != "FAILED", outcome.detail
+    if model_type in MUST_MATCH:
+        assert outcome.status == "matched", outcome.detail
+    if outcome.status == "skipped":
+        pytest.skip(outcome.detail)
+
+
+def test_transform_attributes_cover_every_name_the_installed_transformers_reads():
+    # Derived from the library: every config attribute any *For{CausalLM,ConditionalGeneration}.forward
+    # reads between its lm_head call and self.loss_function is in TRANSFORM_ATTRIBUTES, or is one of the
+    # names listed here, which are not config transforms (module attributes the forward guard inspects).
+    not_config = {"get_text_config", "get_decoder", "config", "decoder", "training", "max_inference_chunksize"}
+    root = os.path.join(os.path.dirname(transformers.__file__), "models")
+    found: dict[str, str] = {}
+    for path in glob.glob(os.path.join(root, "*", "modeling_*.py")):
+        with open(path) as f:
+            source = f.read()
+        if "self.loss_function" not in source or "self.lm_head(" not in source:
+            continue
+        for cls in (n for n in ast.parse(source).body if isinstance(n, ast.ClassDef)):
+            for fn in (n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "forward"):
+                calls = [c for c in ast.walk(fn) if isinstance(c, ast.Call)]
+                heads = [c.lineno for c in calls if (_dotted(c.func) or "").startswith("self.lm_head")]
+                losses = [c.lineno for c in calls if _dotted(c.func) == "self.loss_function"]
+                if not heads or not losses:
+                    continue
+                start, end = min(heads), min([x for x in losses if x >= min(heads)], default=0)
+                chains = {
+                    _dotted(node)
+                    for node in ast.walk(fn)
+                    if isinstance(node, ast.Attribute) and start <= node.lineno < end
+                }
+                chains = {c for c in chains if c and c.startswith("self.") and not c.startswith("self.lm_head")}
+                for chain in chains:
+                    if not any(other.startswith(chain + ".") for other in chains):  # the whole chain's name
+                        found.setdefault(chain.rsplit(".", 1)[-1].removesuffix("()"), cls.name)
+    assert "final_logit_softcapping" in found and "logits_scaling" in found  # the scan sees what it should
+    missing = {n: c for n, c in found.items() if n not in TRANSFORM_ATTRIBUTES and n not in not_config}
+    # model attributes (self.logit_scale, self.model.lm_head_multiplier) carry their config attribute's name;
+    # the module-held ones (vocabulary masks, softcap modules) are refused by the forward guard
+    module_held = {"image_tokens", "_get_feat_extract_output_lengths"}
+    assert set(missing) <= module_held, missing
