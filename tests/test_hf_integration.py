@@ -313,6 +313,36 @@ def test_generic_family_and_clear_refusals():
         apply_flce(ref, label_smoothing=2.0)
 
 
+class _GainLlama(transformers.LlamaForCausalLM):
+    """A family the table does not know, multiplying its logits by a config value no list names."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        hidden = self.model(input_ids=input_ids).last_hidden_state
+        logits = self.lm_head(hidden) * self.config.my_logit_gain
+        loss = None if labels is None else self.loss_function(logits, labels, self.vocab_size, **kwargs)
+        return transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def test_forward_guard_reads_the_model_own_source():
+    # any self.… value the forward reads between lm_head and its loss must be neutral or applied
+    config = tiny_config("llama")
+    config.my_logit_gain = 3.0
+    torch.manual_seed(15)
+    model = _GainLlama(config).to(DEVICE)
+    with pytest.raises(ValueError, match=r"between lm_head and its loss with config.my_logit_gain=3.0"):
+        apply_flce(model)
+    model.config.my_logit_gain = 1.0  # neutral: the fused loss is HF's
+    ref = copy.deepcopy(model)
+    patched = apply_flce(model)
+    ids, labels = batch(15)
+    assert_same_training_step(ref, patched, input_ids=ids, labels=labels)
+    # a loss other than ForCausalLMLoss is refused
+    other = copy.deepcopy(ref)
+    other.loss_type = "ForMaskedLM"
+    with pytest.raises(ValueError, match=r"loss_function is 'ForMaskedLMLoss'.*not HF's ForCausalLMLoss"):
+        apply_flce(other)
+
+
 def test_remove_flce_restores_hf_forward():
     ref, patched = model_pair("llama", seed=9)
     ids, labels = batch(9)

@@ -4,6 +4,9 @@ The sweep itself is ``tests/hf_sweep.py`` (its docstring says what each outcome 
 type is one test: ``matched``, ``refused`` (flce-policy's own error naming what the model does) and
 ``skipped`` (the reason listed in docs/integrations.md's table) pass; a different loss or a crash
 inside a library fails.
+
+The whole sweep takes minutes (the Triton interpreter runs each loss); a CI matrix can split it
+with ``FLCE_HF_SWEEP_SHARD=k/n`` (this job runs the types ``k, k+n, k+2n, ...`` of the sorted list).
 """
 
 from __future__ import annotations
@@ -23,11 +26,20 @@ from flce_policy.kernels.ce_kernel import KERNELS_INTERPRETED  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not KERNELS_INTERPRETED, reason="the sweep runs on CPU under the Triton interpreter")
 
+
+def _shard(types: list[str]) -> list[str]:
+    shard = os.environ.get("FLCE_HF_SWEEP_SHARD")
+    if not shard:
+        return types
+    k, n = (int(x) for x in shard.split("/"))
+    return types[k::n]
+
+
 #: model types the family table lists that the sweep must match (not refuse or skip)
 MUST_MATCH = sorted(set(FAMILIES) & set(hf_sweep.model_types()) - {"gemma3n", "gemma3n_text"})
 
 
-@pytest.mark.parametrize("model_type", hf_sweep.model_types())
+@pytest.mark.parametrize("model_type", _shard(hf_sweep.model_types()))
 def test_model_type_matches_hf_or_is_refused_clearly(model_type):
     outcome = hf_sweep.run(model_type)
     assert outcome.status != "FAILED", outcome.detail
