@@ -13,9 +13,38 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-if os.environ["TRITON_INTERPRET"] == "1" and os.environ.get("FLCE_TESTS_STOCK_INTERPRETER") != "1":
-    from _interpreter_patch import skip_repeated_lang_patching
+import _interpreter_patch  # noqa: E402
 
-    skip_repeated_lang_patching()
+_interpreter_patch.for_tests()
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which turns "auto" into a number of workers
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """The whole suite (no files or tests named) runs on every core by default: pytest-xdist's ``-n auto``
+    (one worker per physical core, 2 on the 2-core CI machine) with ``--dist loadgroup``.
+
+    Tests marked ``xdist_group`` share one worker: a group that runs its checks in one process-group
+    launch (tests/test_vocab_parallel.py, tests/test_fsdp2.py). xdist sends the larger groups out
+    first, so those multi-process launches start at once instead of ending the run on one worker.
+    Left alone: named files or tests (one process, no workers to start), ``-n``/``--dist`` given,
+    ``--collect-only``, ``--pdb``, an xdist worker, xdist off (``-p no:xdist``, not installed).
+    ``-n 0`` runs the whole suite in this process.
+    """
+    if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):
+        return
+    if config.args_source == pytest.Config.ArgsSource.ARGS:
+        return
+    option = config.option
+    if option.numprocesses is not None or option.dist != "no" or option.tx or option.collectonly or option.usepdb:
+        return
+    option.numprocesses = "auto"
+    option.dist = "loadgroup"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # xdist registers it; registered here too so that -p no:xdist does not warn about an unknown mark
+    config.addinivalue_line("markers", "xdist_group(name): tests that run on one pytest-xdist worker")
