@@ -13,6 +13,10 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before flce_policy.kernels is imported
 
+import _interpreter_patch  # noqa: E402
+
+_interpreter_patch.for_tests()  # as under pytest (tests/conftest.py)
+
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402

@@ -22,6 +22,9 @@ pytest.importorskip("transformers")
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
+#: One worker of pytest-xdist runs the module: its tests read the results of one launch (a module fixture).
+pytestmark = pytest.mark.xdist_group("fsdp2")
+
 WORKER = Path(__file__).with_name("_fsdp2_worker.py")
 WORLD = 2
 TIMEOUT_S = 300

@@ -360,6 +360,9 @@ CHECKS_BY_WORLD = {2: tuple(CHECKS), 3: THREE_RANK_CHECKS}
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import _interpreter_patch  # a spawned process: tests/conftest.py did not run here
+
+    _interpreter_patch.for_tests()
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=180)
     )
@@ -410,8 +413,14 @@ def _results(world: int, tmp_path_factory) -> list[dict[str, str | None]]:
     return _RESULTS[world]
 
 
+#: One pytest-xdist worker per world size: its tests read the outcomes of one launch (``_results``).
 @pytest.mark.parametrize(
-    ("world", "check"), [(world, check) for world, checks in CHECKS_BY_WORLD.items() for check in checks]
+    ("world", "check"),
+    [
+        pytest.param(world, check, marks=pytest.mark.xdist_group(f"vocab_parallel_{world}"))
+        for world, checks in CHECKS_BY_WORLD.items()
+        for check in checks
+    ],
 )
 def test_vocab_parallel(world, check, tmp_path_factory):
     for rank, results in enumerate(_results(world, tmp_path_factory)):
