@@ -77,13 +77,14 @@ def test_eager_rounding_reproduces_the_eager_softcap(dtype, reduction, geo):
     x, w, y, grad_rows = make_inputs(dtype)
     ref = eager_reference(x, w, y, reduction, grad_rows)
     eager_loss_err, eager_grad_errs = errors(flce(x, w, y, reduction, grad_rows, "eager", geo), ref)
-    fp32_loss_err, fp32_grad_errs = errors(flce(x, w, y, reduction, grad_rows, "fp32", geo), ref)
     # the same roundings: equal but for a rare last-bit flip (the loss sums in another order)
-    assert eager_loss_err < 1e-5, (eager_loss_err, fp32_loss_err)
-    assert max(eager_grad_errs) < 2e-3, (eager_grad_errs, fp32_grad_errs)
+    assert eager_loss_err < 1e-5, eager_loss_err
+    assert max(eager_grad_errs) < 2e-3, eager_grad_errs
     if dtype == torch.bfloat16:
         # and the option does something: the fp32 softcap is visibly further from this path (in fp16
-        # the softcap's roundings are 8x finer, the same size as the GEMMs' on a GPU: no clear margin)
+        # the softcap's roundings are 8x finer, the same size as the GEMMs' on a GPU: no clear margin,
+        # so no fp32 run there either: nothing would be asserted of it)
+        fp32_loss_err, fp32_grad_errs = errors(flce(x, w, y, reduction, grad_rows, "fp32", geo), ref)
         assert fp32_loss_err > 10 * max(eager_loss_err, 1e-7), (eager_loss_err, fp32_loss_err)
         assert min(fp32_grad_errs) > 2 * max(eager_grad_errs), (eager_grad_errs, fp32_grad_errs)
 
