@@ -126,11 +126,22 @@ def test_a_yaml_policy_of_fastest_fp32_resolves_to_an_fp32_geometry():
 # --- the loss follows it -------------------------------------------------------------------------
 
 
-def test_the_loss_accumulates_as_planned_without_being_told():
+@pytest.fixture(scope="module")
+def told():
+    """grad_weight with the fp32 accumulator asked for by name, chunks of CHUNK: what a plan must give."""
+    x, w, y = make_inputs()
+    return bf16_grad_weight(x, w, y, policy=FixedChunkSize(CHUNK), accum_dtype=torch.float32)
+
+
+#: the tests that compare with ``told`` run on one pytest-xdist worker, which computes it once
+TOLD = pytest.mark.xdist_group("planned_accum_told")
+
+
+@TOLD
+def test_the_loss_accumulates_as_planned_without_being_told(told):
     x, w, y = make_inputs()
     want = reference_grad_weight(x, w, y)
     planned = bf16_grad_weight(x, w, y, policy=FixedChunkSizeFp32(CHUNK))
-    told = bf16_grad_weight(x, w, y, policy=FixedChunkSize(CHUNK), accum_dtype=torch.float32)
     bf16_running_sum = bf16_grad_weight(x, w, y, policy=FixedChunkSize(CHUNK))
     one_chunk = bf16_grad_weight(x, w, y, policy=FixedChunkSize(BT))
     assert torch.equal(planned, told)
@@ -147,13 +158,14 @@ def test_a_call_asking_for_another_accumulator_than_planned_is_an_error():
     bf16_grad_weight(x, w, y, policy=FixedChunkSizeFp32(BT), accum_dtype=torch.float32)
 
 
-def test_a_geometry_given_as_the_policy_carries_its_accumulator():
+@TOLD
+def test_a_geometry_given_as_the_policy_carries_its_accumulator(told):
     x, w, y = make_inputs()
     geometry = Geometry.for_problem(Problem(BT, H, V, torch.bfloat16), CHUNK, accum_dtype="float32")
     with observe_chunks() as events:
         planned = bf16_grad_weight(x, w, y, policy=geometry)
     assert len(events) == BT // CHUNK
-    assert torch.equal(planned, bf16_grad_weight(x, w, y, policy=FixedChunkSize(CHUNK), accum_dtype=torch.float32))
+    assert torch.equal(planned, told)
 
 
 def test_the_oom_fallback_keeps_the_planned_accumulator():
