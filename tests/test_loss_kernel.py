@@ -398,30 +398,47 @@ GEOMETRY_CASES = [
 ]
 
 
+#: The geometry tests run on one pytest-xdist worker: each geometry's run is made once (``geometry_runs``).
+GEOMETRY_RUNS = pytest.mark.xdist_group("loss_kernel_geometries")
+
+
+@pytest.fixture(scope="module")
+def geometry_runs():
+    """``run(make_policy, reduction)``: (loss, grads, chunks the driver ran) of the everything-options call,
+    made once per geometry and reduction: the reference checks and the cross-geometry check read the same."""
+    runs = {}
+
+    def run(make_policy, reduction):
+        if (make_policy, reduction) not in runs:
+            inputs = make_inputs(**EVERYTHING_INPUTS)
+            kt = leaves(inputs, torch.float32)
+            with observe_chunks() as events:
+                loss = run_flce(kt, policy=make_policy(), reduction=reduction, **EVERYTHING_OPTIONS)
+            got = grads(loss, kt, default_grad_output(reduction, inputs["y"].shape))
+            runs[make_policy, reduction] = (loss.detach(), got, len(events))
+        return runs[make_policy, reduction]
+
+    return run
+
+
+@GEOMETRY_RUNS
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize(("make_policy", "n_chunks"), GEOMETRY_CASES)
-def test_geometries_match_reference(make_policy, n_chunks, reduction):
-    inputs = make_inputs(**EVERYTHING_INPUTS)
-    kt, rt = leaves(inputs, torch.float32), leaves(inputs, torch.float64)
-    options = {"reduction": reduction, **EVERYTHING_OPTIONS}
-    with observe_chunks() as events:
-        loss = run_flce(kt, policy=make_policy(), **options)
-    assert len(events) == n_chunks  # the policy was honoured, not replaced by a default
-    ref_loss = run_reference(rt, **options)[0]
+def test_geometries_match_reference(make_policy, n_chunks, reduction, geometry_runs):
+    loss, got, chunks = geometry_runs(make_policy, reduction)
+    assert chunks == n_chunks  # the policy was honoured, not replaced by a default
+    rt = leaves(make_inputs(**EVERYTHING_INPUTS), torch.float64)
+    ref_loss = run_reference(rt, reduction=reduction, **EVERYTHING_OPTIONS)[0]
     assert_close(loss, ref_loss, FP32_TOL, "loss")
-    go = default_grad_output(reduction, inputs["y"].shape)
-    got, want = grads(loss, kt, go), grads(ref_loss, rt, go)
+    want = grads(ref_loss, rt, default_grad_output(reduction, rt["y"].shape))
+    assert got.keys() == want.keys()
     for k in want:
         assert_close(got[k], want[k], FP32_TOL, f"grad {k}")
 
 
-def test_geometries_agree_with_each_other():
-    inputs = make_inputs(**EVERYTHING_INPUTS)
-    results = []
-    for param in GEOMETRY_CASES:
-        t = leaves(inputs, torch.float32)
-        loss = run_flce(t, policy=param.values[0](), **EVERYTHING_OPTIONS)
-        results.append((param.id, loss, grads(loss, t, None)))
+@GEOMETRY_RUNS
+def test_geometries_agree_with_each_other(geometry_runs):
+    results = [(param.id, *geometry_runs(param.values[0], "mean")[:2]) for param in GEOMETRY_CASES]
     base_id, base_loss, base_grads = results[0]
     for name, loss, g in results[1:]:
         assert_close(loss, base_loss, FP32_TOL, f"loss {name} vs {base_id}")
