@@ -100,10 +100,19 @@ def model_types() -> list[str]:
     return sorted(names) + sorted(VARIANTS)
 
 
-def _tiny_kwargs(config_class: type, sub_types: dict[str, str] | None = None) -> dict[str, Any]:
+def _tiny_kwargs(
+    config_class: type, sub_types: dict[str, str] | None = None, per_layer: bool = False
+) -> dict[str, Any]:
+    """Tiny sizes for ``config_class``'s keys; ``per_layer``: also cut its per-layer lists to 2 layers
+    (their last two entries) and share no KV layers (the retry for configs that check those)."""
     default = config_class()
     values = default.to_dict()
     kwargs: dict[str, Any] = {k: v for k, v in SIZES.items() if type(values.get(k)) is int}
+    layers = values.get("num_hidden_layers")
+    if per_layer and isinstance(layers, int):
+        kwargs.update({k: v[-2:] for k, v in values.items() if isinstance(v, list) and len(v) == layers})
+        if values.get("num_kv_shared_layers"):
+            kwargs["num_kv_shared_layers"] = 0
     if "head_dim" in values:  # None in some configs whose attention needs it set
         kwargs["head_dim"] = SIZES["head_dim"]
     if "qk_rope_head_dim" in values:
@@ -127,9 +136,16 @@ def _tiny_kwargs(config_class: type, sub_types: dict[str, str] | None = None) ->
 
 def build(model_type: str) -> torch.nn.Module:
     """The tiny fp32 model of ``model_type`` (or of a VARIANTS entry), head scaled by HEAD_GAIN, in eval()."""
+    try:
+        return _build(model_type, per_layer=False)
+    except Exception:  # noqa: BLE001 - once more with its per-layer lists cut to the 2 layers
+        return _build(model_type, per_layer=True)
+
+
+def _build(model_type: str, per_layer: bool) -> torch.nn.Module:
     base_type, sub_types = VARIANTS.get(model_type, (model_type, None))
     config_class = CONFIG_MAPPING[base_type]
-    config = config_class(**_tiny_kwargs(config_class, sub_types))
+    config = config_class(**_tiny_kwargs(config_class, sub_types, per_layer))
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(base_type) or MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[base_type]
     torch.manual_seed(0)
     model = getattr(transformers, name)._from_config(config, dtype=torch.float32)
