@@ -96,9 +96,16 @@ class FLCEFunction(torch.autograd.Function):
             else:
                 grads, ctx.grads = ctx.grads, None
                 if grads is None:
-                    raise RuntimeError("fused_linear_cross_entropy: backward ran twice through the same call")
+                    # After a create_graph backward, autograd's order decides (CPU and CUDA differ) whether a
+                    # gradient penalty's backward reaches this call or _NoSecondOrder first: one message either way.
+                    raise RuntimeError(
+                        f"{SECOND_ORDER_MESSAGE}; nor does a second backward through the same call run"
+                        if getattr(ctx, "gave_graph", False)
+                        else "fused_linear_cross_entropy: backward ran twice through the same call"
+                    )
                 grads = rescale(grads, grad_loss)
         if second_order_possible:
+            ctx.gave_graph = True
             grads = refuse_second_order(grads)
         grad_input, grad_weight, grad_bias = grads
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None, None

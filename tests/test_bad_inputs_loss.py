@@ -147,6 +147,18 @@ def test_double_backward_is_refused_when_asked_for(reduction):
         (total + penalty).backward()
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_backward_again_after_create_graph_names_the_second_derivative(reduction):
+    """Whichever node autograd reaches first (CUDA's engine reaches the loss again before the penalty's own
+    node, the CPU's the other way round), a backward after a create_graph one says what is unsupported."""
+    x, w, _, target = _inputs()
+    xs, ws = x.float().to(DEVICE).requires_grad_(), w.float().to(DEVICE).requires_grad_()
+    loss = fused_linear_cross_entropy(xs, ws, target.to(DEVICE), policy=FixedChunkSize(5), reduction=reduction)
+    torch.autograd.grad(loss, (xs, ws), create_graph=True)
+    with pytest.raises(RuntimeError, match=r"has no second derivative.*nor does a second backward"):
+        loss.backward()
+
+
 def test_first_order_backward_under_create_graph_as_torch():
     """loss.backward(create_graph=True) fills .grad with the first-order gradients (torch's)."""
     x, w, _, target = _inputs()
