@@ -34,7 +34,11 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
     ``--collect-only``, ``--pdb``, an xdist worker, xdist off (``-p no:xdist``, not installed).
     ``-n 0`` runs the whole suite in this process.
     """
-    if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    if hasattr(config, "workerinput"):  # a worker parses the command line again, without our default
+        if config.workerinput.get("dist_loadgroup"):
+            config.option.loadgroup = True  # read when it names the tests: an xdist_group travels with its id
         return
     if config.args_source == pytest.Config.ArgsSource.ARGS:
         return
@@ -43,6 +47,11 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
         return
     option.numprocesses = "auto"
     option.dist = "loadgroup"
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: absent (and not called) with -p no:xdist
+def pytest_configure_node(node) -> None:
+    node.workerinput["dist_loadgroup"] = node.config.getvalue("dist") == "loadgroup"
 
 
 def pytest_configure(config: pytest.Config) -> None:
