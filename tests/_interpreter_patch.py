@@ -15,10 +15,21 @@ these internals nothing is changed.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["skip_repeated_lang_patching"]
+__all__ = ["for_tests", "skip_repeated_lang_patching"]
+
+#: Set to 1 to run Triton's interpreter as shipped (to compare, or to rule this module out).
+STOCK_INTERPRETER_VARIABLE = "FLCE_TESTS_STOCK_INTERPRETER"
+
+
+def for_tests() -> bool:
+    """What conftest and the tests' own worker processes call: the skip when the kernels are interpreted."""
+    if os.environ.get("TRITON_INTERPRET") != "1" or os.environ.get(STOCK_INTERPRETER_VARIABLE) == "1":
+        return False
+    return skip_repeated_lang_patching()
 
 
 class _NothingToRestore:
