@@ -25,20 +25,20 @@ _interpreter_patch.for_tests()
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which turns "auto" into a number of workers
 def pytest_cmdline_main(config: pytest.Config) -> None:
     """The whole suite (no files or tests named) runs on every core by default: pytest-xdist's ``-n auto``
-    (one worker per physical core, 2 on the 2-core CI machine) with ``--dist loadgroup``.
+    (one worker per physical core, 2 on the 2-core CI machine) with ``--dist loadfile``.
 
-    Tests marked ``xdist_group`` share one worker: a group that runs its checks in one process-group
-    launch (tests/test_vocab_parallel.py, tests/test_fsdp2.py). xdist sends the larger groups out
-    first, so those multi-process launches start at once instead of ending the run on one worker.
+    A file's tests share one worker: the multi-process checks (tests/test_vocab_parallel.py,
+    tests/test_fsdp2.py) run each launch once, from a module fixture, and read it in many tests.
+    ``loadfile`` rather than ``loadgroup``: with pytest 9.2 and xdist 3.8 the group suffix that xdist
+    writes is not read back (pytest keeps the node id elsewhere), so ``xdist_group`` marks do not keep
+    a group on one worker; whole files do.
     Left alone: named files or tests (one process, no workers to start), ``-n``/``--dist`` given,
     ``--collect-only``, ``--pdb``, an xdist worker, xdist off (``-p no:xdist``, not installed).
     ``-n 0`` runs the whole suite in this process.
     """
     if not config.pluginmanager.hasplugin("xdist"):
         return
-    if hasattr(config, "workerinput"):  # a worker parses the command line again, without our default
-        if config.workerinput.get("dist_loadgroup"):
-            config.option.loadgroup = True  # read when it names the tests: an xdist_group travels with its id
+    if hasattr(config, "workerinput"):  # a worker parses the command line again; the controller distributes
         return
     if config.args_source == pytest.Config.ArgsSource.ARGS:
         return
@@ -46,12 +46,7 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
     if option.numprocesses is not None or option.dist != "no" or option.tx or option.collectonly or option.usepdb:
         return
     option.numprocesses = "auto"
-    option.dist = "loadgroup"
-
-
-@pytest.hookimpl(optionalhook=True)  # an xdist hook: absent (and not called) with -p no:xdist
-def pytest_configure_node(node) -> None:
-    node.workerinput["dist_loadgroup"] = node.config.getvalue("dist") == "loadgroup"
+    option.dist = "loadfile"
 
 
 def pytest_configure(config: pytest.Config) -> None:
