@@ -43,7 +43,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "flce-policy bench") 
 
 def run_command(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], int], argv) -> int:
     """Parse ``argv`` and run; a user error prints ``error: ...`` lines on stderr and returns 2."""
-    from flce_policy.config import ConfigError
+    from flce_policy.engine.config import ConfigError
     from flce_policy.strategies import StrategyError
 
     try:
@@ -166,7 +166,7 @@ def _measure(args: argparse.Namespace) -> int:
             "re-render a saved run without one with --from-json FILE"
         )
     from flce_policy import FLCEPolicy
-    from flce_policy.probe import probe_device
+    from flce_policy.engine.probe import probe_device
 
     from .methods import default_methods, planned_vocab_chunk, predicted_peak, predicted_time, select_methods
     from .progress import SuiteProgress
@@ -256,7 +256,7 @@ def _rerender(path: Path, args: argparse.Namespace) -> int:
 
 def _with_time_model(records: list, metadata: dict[str, Any]) -> list:
     """Fill the cost model's prediction into rows saved without it, for the GPU the run names."""
-    from flce_policy.device import DeviceInfo, family_from_name
+    from flce_policy.plan.device import DeviceInfo, family_from_name
 
     from .methods import default_methods, predicted_time
 

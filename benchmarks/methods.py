@@ -18,15 +18,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from flce_policy.cost_model import predict_seconds, rates_for
-from flce_policy.device import DeviceInfo
-from flce_policy.geometry import Geometry
-from flce_policy.memory import predict_peak
-from flce_policy.problem import Problem
-from flce_policy.units import parse_bytes
+from flce_policy.plan.cost_model import predict_seconds, rates_for
+from flce_policy.plan.device import DeviceInfo
+from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.memory import predict_peak
+from flce_policy.plan.problem import Problem
+from flce_policy.plan.units import parse_bytes
 
 if TYPE_CHECKING:
-    from flce_policy.policy import FLCEPolicy
+    from flce_policy.engine.policy import FLCEPolicy
     from flce_policy.strategies import FixedChunkSize
 
 __all__ = [
@@ -316,7 +316,7 @@ def predicted_peak(
 ) -> tuple[int | None, int | None]:
     """(chunk_size, predicted peak bytes) of ``method`` at ``shape`` (BT, H, V) on ``device``.
 
-    The prediction is :func:`flce_policy.memory.predict_peak` at the method's geometry, with an
+    The prediction is :func:`flce_policy.plan.memory.predict_peak` at the method's geometry, with an
     fp32 grad_weight accumulator for the fp32 rows; for Liger it is our model at Liger's chunk.
     Rows without a plan (floor, CCE, eager) give ``(method.chunk_size, None)``.
     """

@@ -251,7 +251,7 @@ _COLUMNS = (
 _CAPTION = (
     "x floor = median / gemm_floor median (same run, same GPU). Peak = max allocated during one call minus before it.\n"
     "* Liger rows: our memory model at Liger's chunk (HeuristicC(c)), not Liger's own accounting.\n"
-    "model ms: the cost model's prediction (flce_policy/cost_model.py) at the row's geometry."
+    "model ms: the cost model's prediction (flce_policy/plan/cost_model.py) at the row's geometry."
 )
 
 

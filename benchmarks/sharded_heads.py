@@ -304,7 +304,7 @@ def main() -> int:
     cuda = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     init_single_rank(cuda)
-    from flce_policy.probe import device_for_tensor_device
+    from flce_policy.engine.probe import device_for_tensor_device
 
     s = shapes(cuda)
     report = {"device": repr(device_for_tensor_device(device)), "shapes": s, "steps": args.steps, "results": []}

@@ -40,8 +40,8 @@ class Record:
     median_ms: float | None = None
     times_ms: tuple[float, ...] = ()
     peak_bytes: int | None = None  # over the inputs: max_memory_allocated minus the allocation before the call
-    predicted_peak_bytes: int | None = None  # flce_policy.memory.predict_peak at chunk_size
-    predicted_ms: float | None = None  # flce_policy.cost_model at the row's geometry
+    predicted_peak_bytes: int | None = None  # flce_policy.plan.memory.predict_peak at chunk_size
+    predicted_ms: float | None = None  # flce_policy.plan.cost_model at the row's geometry
     x_floor: float | None = None  # median_ms / the gemm_floor median of the same shape and run
     status: str = "ok"
     options: dict[str, Any] = field(default_factory=dict)  # the method's (vocab_chunk, max_slab, Liger's c)

@@ -11,7 +11,7 @@ partitioned parameter and DeepSpeed reduces it). For each token count, in a chil
 1. unconstrained: the packaged policy (the reference loss), fixed 2048 rows, fixed 256 rows;
 2. saturated: while the head computes its loss (from a pre-forward hook on ``lm_head``, after ZeRO-3
    gathered it, to its forward hook), a filler leaves free exactly what the memory model
-   (``flce_policy.memory``) says the call holds beside its slab, plus the autocast bf16 copy of the
+   (``flce_policy.plan.memory``) says the call holds beside its slab, plus the autocast bf16 copy of the
    head, plus 0.75 of a 2048-row slab: a 1024-row slab fits, a 2048-row one does not. Cases: fixed
    256 rows, the packaged policy (OOM fallback on), a ``free_memory`` policy, and last (it leaves
    DeepSpeed mid-forward) fixed 2048 rows with the fallback off, as a loss without one would run.
@@ -82,8 +82,8 @@ class Saturate:
         head.register_forward_hook(self._free)
 
     def _fill(self, module: torch.nn.Module, args: object) -> None:
-        from flce_policy.memory_now import available_bytes
-        from flce_policy.probe import device_for_tensor_device
+        from flce_policy.engine.probe import device_for_tensor_device
+        from flce_policy.plan.memory_now import available_bytes
 
         device = device_for_tensor_device(torch.device("cuda", torch.cuda.current_device()))
         if self.leave is None:
@@ -112,13 +112,13 @@ def run_child(tokens: int, steps: int, out: Path) -> dict:
     import deepspeed
 
     from flce_policy import FLCEPolicy
-    from flce_policy import autograd as flce_autograd
     from flce_policy.benchmarks.sharded_heads import init_single_rank
+    from flce_policy.call import autograd as flce_autograd
+    from flce_policy.engine.probe import device_for_tensor_device
     from flce_policy.integrations.transformers import apply_flce
-    from flce_policy.memory import held_beside_slab
-    from flce_policy.oom import OOMFallbackWarning
-    from flce_policy.probe import device_for_tensor_device
-    from flce_policy.problem import Problem
+    from flce_policy.plan.memory import held_beside_slab
+    from flce_policy.plan.oom import OOMFallbackWarning
+    from flce_policy.plan.problem import Problem
     from flce_policy.strategies import FixedChunkSize, FreeMemory
 
     cuda = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"

@@ -1,12 +1,12 @@
 """flce-policy: GPU-aware chunk policies for a fused linear cross-entropy Triton kernel."""
 
-from flce_policy.device import DeviceInfo
-from flce_policy.geometry import Geometry
+from flce_policy.engine.policy import DeviceRule, FLCEPolicy
+from flce_policy.engine.probe import probe_device
 from flce_policy.loss import FLCEOutput, FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
-from flce_policy.oom import OOMFallbackWarning
-from flce_policy.policy import DeviceRule, FLCEPolicy
-from flce_policy.probe import probe_device
-from flce_policy.problem import Problem
+from flce_policy.plan.device import DeviceInfo
+from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.oom import OOMFallbackWarning
+from flce_policy.plan.problem import Problem
 
 __all__ = [
     "DeviceInfo",

@@ -14,20 +14,20 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
-from flce_policy import probe
-from flce_policy.geometry import Geometry
-from flce_policy.oom import DEFAULT_OOM_FALLBACK
-from flce_policy.options import LossOptions, Reduction, SoftcapRounding
-from flce_policy.policy import CONFIG_ENV_VAR, FLCEPolicy
-from flce_policy.problem import Problem
-from flce_policy.sharded import check_unsharded, is_dtensor
+from flce_policy.call.options import LossOptions, Reduction, SoftcapRounding
+from flce_policy.call.targets import TargetCheck, start_target_check
+from flce_policy.distributed.sharded import check_unsharded, is_dtensor
+from flce_policy.distributed.vocab_parallel import GradInputMode, prepare_vocab_parallel
+from flce_policy.engine import probe
+from flce_policy.engine.policy import CONFIG_ENV_VAR, FLCEPolicy
+from flce_policy.engine.strategy_cache import strategy_geometry
+from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.oom import DEFAULT_OOM_FALLBACK
+from flce_policy.plan.problem import Problem
 from flce_policy.strategies import ChunkStrategy
-from flce_policy.strategy_cache import strategy_geometry
-from flce_policy.targets import TargetCheck, start_target_check
-from flce_policy.vocab_parallel import GradInputMode, prepare_vocab_parallel
 
 if TYPE_CHECKING:
-    from flce_policy.oom import OOMFallback
+    from flce_policy.plan.oom import OOMFallback
 
 __all__ = ["fused_linear_cross_entropy", "FusedLinearCrossEntropyLoss", "FLCEOutput", "autocast_dtype"]
 
@@ -115,7 +115,7 @@ def fused_linear_cross_entropy(
             contiguous shard (shards in group-rank order, sizes may differ), ``input`` and
             ``target`` (global class ids) the same on every rank. Every rank gets the whole loss
             (and extras); the weight and bias gradients are the shard's. Collective: every rank of
-            the group must call it alike. See :mod:`flce_policy.vocab_parallel`.
+            the group must call it alike. See :mod:`flce_policy.distributed.vocab_parallel`.
             Without ``tp_group``, a ``Shard(0)`` DTensor weight on a 1-D mesh (group from the mesh)
             is vocab parallel only with a DTensor ``input`` (as a ``ColwiseParallel`` module passes);
             with a plain input it is refused as a shard (an FSDP2 parameter outside its forward,
@@ -164,9 +164,9 @@ def fused_linear_cross_entropy(
         if not x.shape[1]:
             x, weight = _one_zero_column(x, weight)
         if torch.compiler.is_compiling():
-            # One opaque node (flce_policy/custom_op.py): the geometry is resolved and the target
+            # One opaque node (flce_policy/call/custom_op.py): the geometry is resolved and the target
             # range checked inside it, at run time.
-            from flce_policy.custom_op import compiled_loss
+            from flce_policy.call.custom_op import compiled_loss
 
             loss, z_loss, accuracy, predicted, entropy = compiled_loss(
                 x, weight, bias, target_flat, class_weight, policy, options, compute_dtype
@@ -200,7 +200,7 @@ def _vocab_parallel_loss(
     grad_input: GradInputMode,
     compute_dtype: torch.dtype | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The vocab-parallel path (flce_policy/vocab_parallel.py), eager only."""
+    """The vocab-parallel path (flce_policy/distributed/vocab_parallel.py), eager only."""
     if isinstance(input, torch.Tensor) and input.dim() and not input.shape[-1]:
         raise NotImplementedError("a vocab-parallel head (tp_group or a DTensor weight) with hidden size H=0")
     if options.return_entropy:
@@ -233,7 +233,7 @@ def _eager_loss(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The target check started, the geometry resolved, the autograd Function run: its five results.
 
-    The forward pass finishes the check once its kernels are queued (flce_policy/targets.py).
+    The forward pass finishes the check once its kernels are queued (flce_policy/call/targets.py).
     """
     target, targets = start_target_check(
         target, weight.shape[0], options.ignore_index, class_weight, options.reduction == "mean"
@@ -261,7 +261,7 @@ def _apply(
     if geometry is not None:
         options = options.following(geometry)
 
-    from flce_policy.autograd import FLCEFunction
+    from flce_policy.call.autograd import FLCEFunction
 
     return FLCEFunction.apply(
         x, weight, bias, target, class_weight, geometry, options, torch.is_grad_enabled(), fallback, compute_dtype,
@@ -351,7 +351,7 @@ def _check_tensors(
     """Validate shapes, dtypes and devices; return flattened input/target and fp32 class weights.
 
     ``compute_dtype`` (autocast) lets input, weight and bias differ in dtype: all are cast to it.
-    The target range is the caller's to check (flce_policy/targets.py): eagerly while the call's
+    The target range is the caller's to check (flce_policy/call/targets.py): eagerly while the call's
     kernels are queued, inside the custom op under compile, over the whole V for a vocab shard.
     """
     for name, tensor in (("input", input), ("weight", weight), ("target", target)):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from flce_policy.geometry import Geometry
+from flce_policy.plan.geometry import Geometry
 
 from .ce_kernel import ce_rows, ce_workspace
 from .gemm import accumulate_mm

@@ -1,10 +1,10 @@
-"""The fp32 grad_input accumulator of vocab tiles, in borrowed bytes (layout: flce_policy.accumulator)."""
+"""The fp32 grad_input accumulator of vocab tiles, in borrowed bytes (layout: flce_policy.plan.accumulator)."""
 
 from __future__ import annotations
 
 import torch
 
-from flce_policy.accumulator import AccumulatorLayout, narrow_step_rows
+from flce_policy.plan.accumulator import AccumulatorLayout, narrow_step_rows
 
 from .gemm import accumulate_mm
 

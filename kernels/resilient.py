@@ -12,9 +12,9 @@ import warnings
 
 import torch
 
-from flce_policy.geometry import Geometry
-from flce_policy.oom import OOMFallback, OOMFallbackWarning
-from flce_policy.units import format_bytes
+from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.oom import OOMFallback, OOMFallbackWarning
+from flce_policy.plan.units import format_bytes
 
 from .driver import CEParams, DriverOutputs, GradRequest, run_geometry
 

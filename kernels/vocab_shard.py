@@ -16,7 +16,7 @@ Two collectives per row chunk, both on ``[rows]`` vectors, never on logits:
    (the rank holding the target contributes it, the others 0), and the label-smoothing sums
    ``sum_c w_c z_c`` and ``sum_c w_c``.
 
-The cost model counts these from :mod:`flce_policy.collectives` (keep the two in step).
+The cost model counts these from :mod:`flce_policy.plan.collectives` (keep the two in step).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Per row chunk: pass 1 computes each vocab tile's logits and folds them into the rows' online
 log-sum-exp partials (one slot per tile and segment); pass 2 recomputes each tile, turns it into
 dL/dlogits in place, adds ``G @ W_tile`` into an fp32 grad_input accumulator (held in borrowed
-bytes, see flce_policy.accumulator) and produces ``G.T @ x_chunk`` for that vocab slice of
+bytes, see flce_policy.plan.accumulator) and produces ``G.T @ x_chunk`` for that vocab slice of
 grad_weight. With a single row chunk each grad_weight slice is written exactly once by a GEMM that
 accumulates in fp32 internally: fp32 accuracy with no parameter-sized fp32 buffer and no
 read-modify-write. Four GEMMs instead of three (plus the few late tiles computed a third time).
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flce_policy.accumulator import accumulator_layout
+from flce_policy.plan.accumulator import accumulator_layout
 
 from .ce_kernel import ce_finish, ce_partial, ce_workspace
 from .gemm import accumulate_mm

@@ -7,11 +7,11 @@ import inspect
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
-from flce_policy.cost_model import DeviceRates, rates_for
-from flce_policy.device import DeviceInfo
-from flce_policy.geometry import Geometry
-from flce_policy.problem import Problem
-from flce_policy.units import prev_pow2
+from flce_policy.plan.cost_model import DeviceRates, rates_for
+from flce_policy.plan.device import DeviceInfo
+from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.problem import Problem
+from flce_policy.plan.units import prev_pow2
 
 __all__ = ["ChunkStrategy", "StrategyError", "checked_geometry"]
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from flce_policy.cost_model import DeviceRates, predict_seconds, rates_for
-from flce_policy.device import DeviceInfo
-from flce_policy.geometry import Geometry
-from flce_policy.memory import predict_peak
-from flce_policy.problem import Problem
-from flce_policy.units import parse_bytes
+from flce_policy.plan.cost_model import DeviceRates, predict_seconds, rates_for
+from flce_policy.plan.device import DeviceInfo
+from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.memory import predict_peak
+from flce_policy.plan.problem import Problem
+from flce_policy.plan.units import parse_bytes
 
 from .base import ChunkStrategy, StrategyError
 
@@ -21,17 +21,17 @@ _ACCUMS = {"bf16": None, "fp32": "float32"}
 
 
 class Fastest(ChunkStrategy):
-    """Lowest predicted time (:mod:`flce_policy.cost_model`) among geometries within the memory limits.
+    """Lowest predicted time (:mod:`flce_policy.plan.cost_model`) among geometries within the memory limits.
 
     Limits: ``max_slab`` on the slab, and optionally ``max_peak`` on the predicted peak over inputs
-    (:func:`flce_policy.memory.predict_peak`, which counts an fp32 grad_weight accumulator).
+    (:func:`flce_policy.plan.memory.predict_peak`, which counts an fp32 grad_weight accumulator).
 
     Candidates: power-of-two row chunks (and all BT rows) over the whole vocabulary, and the same
     row chunks over power-of-two vocab tiles (>= 1024 columns). ``accum`` is the grad_weight
     accumulation planned, and the geometry carries it to the loss: "bf16" (the weight dtype) or
     "fp32" (fp32-accurate weight gradients; an fp32 buffer, except that one row chunk writes each
     slice once and needs none, which the model accounts for). ``rates`` overrides the
-    family table (flce_policy.cost_model.RATES; ``flce-policy tune --strategy fastest`` fits them):
+    family table (flce_policy.plan.cost_model.RATES; ``flce-policy tune --strategy fastest`` fits them):
     ``{matmul_flops: 7.0e14, hbm_bytes_per_s: 4.6e12}``. Ties go to the smaller slab.
     """
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from flce_policy.device import DeviceInfo
-from flce_policy.problem import Problem
+from flce_policy.plan.device import DeviceInfo
+from flce_policy.plan.problem import Problem
 
 from .base import ChunkStrategy, StrategyError
 

@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from flce_policy import memory_now
-from flce_policy.device import DeviceInfo
-from flce_policy.geometry import Geometry
-from flce_policy.memory import held_beside_slab
-from flce_policy.problem import Problem, checked_dtype
-from flce_policy.units import format_bytes, parse_bytes
+from flce_policy.plan import memory_now
+from flce_policy.plan.device import DeviceInfo
+from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.memory import held_beside_slab
+from flce_policy.plan.problem import Problem, checked_dtype
+from flce_policy.plan.units import format_bytes, parse_bytes
 
 from .base import ChunkStrategy, StrategyError, checked_geometry
 
@@ -35,9 +35,9 @@ class FreeMemory(ChunkStrategy):
     """The slab sized at call time from live memory: ``fraction`` of what ``reserve`` and the call's buffers leave.
 
     available = free device memory + the caching allocator's reserved-but-unallocated bytes
-    (read on every call, :func:`flce_policy.memory_now.available_bytes`); from it go ``reserve``
+    (read on every call, :func:`flce_policy.plan.memory_now.available_bytes`); from it go ``reserve``
     (bytes or "1GiB", kept for the rest of the step) and the buffers the call holds beside the
-    slab (gradients, per-row outputs; :func:`flce_policy.memory.held_beside_slab`, with the
+    slab (gradients, per-row outputs; :func:`flce_policy.plan.memory.held_beside_slab`, with the
     grad_weight accumulator in ``accum_dtype``, which the geometry carries to the loss: "float32"
     for fp32-accurate weight gradients). The slab gets ``fraction`` of the rest.
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from flce_policy.device import DeviceInfo
-from flce_policy.problem import Problem
-from flce_policy.units import cdiv, next_pow2
+from flce_policy.plan.device import DeviceInfo
+from flce_policy.plan.problem import Problem
+from flce_policy.plan.units import cdiv, next_pow2
 
 from .base import ChunkStrategy, StrategyError
 

@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from flce_policy import FLCEPolicy
-from flce_policy.geometry import Geometry
 from flce_policy.kernels.ce_kernel import KERNELS_INTERPRETED
 from flce_policy.loss import FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
-from flce_policy.memory import predict_peak
-from flce_policy.problem import Problem, checked_dtype
+from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.memory import predict_peak
+from flce_policy.plan.problem import Problem, checked_dtype
 from flce_policy.strategies import FixedChunkSize
 
 DEVICE = "cpu" if KERNELS_INTERPRETED else "cuda"

@@ -22,8 +22,8 @@ from flce_policy.benchmarks.plot_labels import label_text
 from flce_policy.benchmarks.report import read_json, target_checks, write_csv, write_json
 from flce_policy.benchmarks.suite import Record, format_shape, parse_shape, with_floor_ratios
 from flce_policy.cli import main
-from flce_policy.device import DeviceInfo
-from flce_policy.problem import Problem
+from flce_policy.plan.device import DeviceInfo
+from flce_policy.plan.problem import Problem
 
 GEMMA = (8192, 5376, 262144)  # BT, H, V: the shape the chunk-256 target is stated at
 SMALL = (4096, 1024, 32768)
@@ -546,8 +546,8 @@ def test_targets_report_constants():
 
 def test_gpu_run_glue_with_a_stubbed_suite(tmp_path, capsys, monkeypatch):
     """Options reach run_suite; predictions come from the probed device; JSON, CSV, PNG and table come out."""
-    from flce_policy import probe
     from flce_policy.benchmarks import suite
+    from flce_policy.engine import probe
 
     seen = {}
 

@@ -7,10 +7,10 @@ from importlib.resources import files
 
 import pytest
 
-from flce_policy import probe
 from flce_policy.cli import main
-from flce_policy.device import DeviceInfo
-from flce_policy.units import format_bytes
+from flce_policy.engine import probe
+from flce_policy.plan.device import DeviceInfo
+from flce_policy.plan.units import format_bytes
 
 TABLE_FAMILIES = ("H100", "H200", "B200", "B300", "A100", "L40S", "RTX 4090")
 
@@ -155,8 +155,8 @@ def test_validate_json(capsys):
 
 
 def test_validate_shows_per_family_where_a_file_departs_from_the_packaged_policy(tmp_path, capsys):
-    from flce_policy.policy import FLCEPolicy
-    from flce_policy.problem import Problem
+    from flce_policy.engine.policy import FLCEPolicy
+    from flce_policy.plan.problem import Problem
 
     path = tmp_path / "h200_only.yaml"  # what tune wrote before it kept the packaged rules
     path.write_text("version: 1\ndevices:\n  - match: H200\n    strategy: slab_budget\n    max_slab: 1GiB\n")
@@ -379,9 +379,9 @@ def test_json_is_valid_json_at_extreme_but_finite_rates(capsys):
 
 
 def test_master_dtype_changes_the_known_gpu_table(capsys, no_gpu):
-    from flce_policy.memory import predict_peak
-    from flce_policy.policy import FLCEPolicy
-    from flce_policy.problem import Problem
+    from flce_policy.engine.policy import FLCEPolicy
+    from flce_policy.plan.memory import predict_peak
+    from flce_policy.plan.problem import Problem
 
     peaks = {}
     for master in (None, "float32"):
@@ -479,7 +479,7 @@ def test_yaml_nested_thousands_deep_is_one_line(tmp_path, capsys):
 
 def test_an_internal_error_keeps_its_traceback(monkeypatch):
     # A bug of ours is not a user error: main lets it through (the interpreter prints its traceback).
-    from flce_policy.policy import FLCEPolicy
+    from flce_policy.engine.policy import FLCEPolicy
 
     def broken(*args, **kwargs):
         raise ValueError("a bug of ours")

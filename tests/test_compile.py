@@ -18,12 +18,12 @@ from test_loss_kernel import make_inputs as _make_inputs
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import flce_policy.autograd as flce_autograd
-import flce_policy.custom_op as custom_op
+import flce_policy.call.autograd as flce_autograd
+import flce_policy.call.custom_op as custom_op
 from flce_policy import FLCEPolicy, OOMFallbackWarning, fused_linear_cross_entropy
-from flce_policy.geometry import Geometry
 from flce_policy.kernels.driver import inject_oom, observe_chunks
-from flce_policy.problem import Problem
+from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.problem import Problem
 from flce_policy.strategies import FixedChunkSize
 
 #: Smaller than the other loss tests' 37x61x509: the interpreter runs each call twice (compiled and
@@ -425,7 +425,7 @@ def _grads_are_the_driver_buffers(fn, inputs, seen):
 
 
 def _op_eagerly(x, w, y):
-    from flce_policy.options import LossOptions
+    from flce_policy.call.options import LossOptions
 
     return custom_op.compiled_loss(x, w, None, y, None, EIGHT_ROWS, LossOptions(), None)[0]
 

@@ -6,10 +6,10 @@ import textwrap
 
 import pytest
 
-from flce_policy.config import ConfigError
-from flce_policy.device import DeviceInfo
-from flce_policy.policy import DeviceRule, FLCEPolicy
-from flce_policy.problem import Problem
+from flce_policy.engine.config import ConfigError
+from flce_policy.engine.policy import DeviceRule, FLCEPolicy
+from flce_policy.plan.device import DeviceInfo
+from flce_policy.plan.problem import Problem
 from flce_policy.strategies import FixedChunkSize, HeuristicC, SlabBudget
 
 GOOD = """\
@@ -275,7 +275,7 @@ def test_yaml_nested_thousands_deep_is_one_line_naming_the_file(tmp_path, nested
 
 
 def test_a_mapping_nested_past_the_limit_names_where():
-    from flce_policy.config import MAX_NESTING
+    from flce_policy.engine.config import MAX_NESTING
 
     data: dict = {"strategy": "heuristic_c"}
     for _ in range(MAX_NESTING):

@@ -6,9 +6,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from flce_policy.device import KNOWN_GPUS, DeviceInfo, family_from_name
-from flce_policy.geometry import Geometry
-from flce_policy.problem import Problem
+from flce_policy.plan.device import KNOWN_GPUS, DeviceInfo, family_from_name
+from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.problem import Problem
 
 MIB = 2**20
 GIB = 2**30

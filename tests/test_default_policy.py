@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from flce_policy import DeviceInfo, FLCEPolicy, Problem
-from flce_policy.device import KNOWN_GPUS
+from flce_policy.plan.device import KNOWN_GPUS
 
 GIB, MIB = 2**30, 2**20
 

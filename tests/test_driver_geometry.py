@@ -6,13 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flce_policy.device import DeviceInfo
-from flce_policy.geometry import Geometry
 from flce_policy.kernels import driver
 from flce_policy.kernels.ce_kernel import KERNELS_INTERPRETED
 from flce_policy.kernels.driver import CEParams, ChunkEvent, GradRequest, observe_chunks, run_geometry
 from flce_policy.loss import fused_linear_cross_entropy
-from flce_policy.problem import Problem
+from flce_policy.plan.device import DeviceInfo
+from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.problem import Problem
 from flce_policy.strategies import FixedChunkSize
 
 DEVICE = "cpu" if KERNELS_INTERPRETED else "cuda"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from flce_policy import DeviceInfo, Geometry, Problem
-from flce_policy.cost_model import RATES, DeviceRates, predict_seconds
+from flce_policy.plan.cost_model import RATES, DeviceRates, predict_seconds
 from flce_policy.strategies import Fastest, StrategyError, strategy_from_config
 
 MEASURED = Path(__file__).resolve().parents[1] / "benchmarks/results/2026-11-29-h200-vocab-tiled/bench.json"
@@ -123,7 +123,7 @@ def test_fp32_accuracy_at_the_memory_of_the_bf16_gradients():
 
 def test_rates_table_has_the_h200_calibrated_on_the_committed_run():
     from flce_policy.benchmarks.suite import Record
-    from flce_policy.benchmarks.tune import calibrate
+    from flce_policy.cli.tune import calibrate
 
     records = [Record.from_dict(r) for r in json.loads(MEASURED.read_text())["records"]]
     fitted, _ = calibrate(records, H200)
@@ -135,8 +135,8 @@ def test_rates_table_has_the_h200_calibrated_on_the_committed_run():
 
 def test_explain_predicts_with_the_accumulation_and_rates_the_strategy_planned():
     from flce_policy import FLCEPolicy
-    from flce_policy.memory import predict_peak
-    from flce_policy.policy import DeviceRule
+    from flce_policy.engine.policy import DeviceRule
+    from flce_policy.plan.memory import predict_peak
 
     problem = Problem(32768, 5376, 262144)
     rates = {"matmul_flops": 5e14, "hbm_bytes_per_s": 3e12}

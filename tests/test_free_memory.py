@@ -1,6 +1,6 @@
 """FreeMemory: the slab sized from live memory, capped by another strategy, in YAML, never cached.
 
-Live memory comes through one seam, ``flce_policy.memory_now.available_bytes``, replaced here by
+Live memory comes through one seam, ``flce_policy.plan.memory_now.available_bytes``, replaced here by
 synthetic numbers; expected rows are worked out by hand from the byte counts in the comments.
 """
 
@@ -10,13 +10,13 @@ import pytest
 import torch
 import yaml
 
-from flce_policy import memory_now
 from flce_policy.cli import main
-from flce_policy.config import ConfigError
-from flce_policy.device import DeviceInfo
-from flce_policy.memory import held_beside_slab, predict_peak
-from flce_policy.policy import DeviceRule, FLCEPolicy
-from flce_policy.problem import Problem
+from flce_policy.engine.config import ConfigError
+from flce_policy.engine.policy import DeviceRule, FLCEPolicy
+from flce_policy.plan import memory_now
+from flce_policy.plan.device import DeviceInfo
+from flce_policy.plan.memory import held_beside_slab, predict_peak
+from flce_policy.plan.problem import Problem
 from flce_policy.strategies import (
     FixedChunkSize,
     FreeMemory,
@@ -59,7 +59,7 @@ def test_held_beside_slab_is_the_loop_phase_less_the_slab():
     assert held_beside_slab(GEMMA) == HELD_BF16
     assert held_beside_slab(GEMMA, accum_dtype="float32") == HELD_FP32
     # predict_peak's loop phase at any chunk is this plus the slab (bf16: the loop is the peak)
-    from flce_policy.geometry import Geometry
+    from flce_policy.plan.geometry import Geometry
 
     geometry = Geometry.for_problem(GEMMA, 1024)
     assert predict_peak(geometry).total_bytes == HELD_BF16 + 1024 * 512 * KIB
@@ -119,7 +119,8 @@ def test_the_loss_raises_an_oom_a_training_loop_catches_without_a_fallback(avail
     """Nothing fits: the loss call raises torch.cuda.OutOfMemoryError before running, with no halving retry."""
     import warnings
 
-    from flce_policy import fused_linear_cross_entropy, probe
+    from flce_policy import fused_linear_cross_entropy
+    from flce_policy.engine import probe
     from flce_policy.kernels import resilient
 
     monkeypatch.setattr(probe, "device_for_tensor_device", lambda device: LIVE_H100)  # CPU tensors, a "live" H100
@@ -310,7 +311,7 @@ def test_policy_asks_a_dynamic_strategy_on_every_call(available):
 
 
 def test_a_remembered_geometry_caps_a_dynamic_strategy(available):
-    from flce_policy.geometry import Geometry
+    from flce_policy.plan.geometry import Geometry
 
     policy = FLCEPolicy(rules=[DeviceRule("H100", FreeMemory())])
     available(12 * GIB)
@@ -326,7 +327,7 @@ def test_a_remembered_geometry_caps_a_dynamic_strategy(available):
 
 
 def test_remember_rejects_a_geometry_of_another_problem():
-    from flce_policy.geometry import Geometry
+    from flce_policy.plan.geometry import Geometry
 
     policy = FLCEPolicy()
     other = Geometry.for_problem(Problem(tokens=4096, hidden=5376, vocab=262144), 256)

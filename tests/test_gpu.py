@@ -37,7 +37,7 @@ def _fp32_reference_without_tf32():
 
 
 def test_probe_sees_this_gpu_through_nvml():
-    from flce_policy.probe import probe_device, probe_device_verbose
+    from flce_policy.engine.probe import probe_device, probe_device_verbose
 
     info, notes = probe_device_verbose()
     _report({"test": "probe", **info.model_dump(), "notes": notes})
@@ -205,8 +205,8 @@ def test_vocab_tiled_at_32k_is_fp32_accurate_in_the_memory_of_bf16_gradients():
     no accum_dtype passed: the loss must follow the planned fp32 accumulator (peak as predicted)."""
     from flce_policy import DeviceInfo, FLCEPolicy, Geometry, Problem
     from flce_policy.benchmarks.methods import LEAN_PEAK
-    from flce_policy.memory import predict_peak
-    from flce_policy.probe import device_for_tensor_device
+    from flce_policy.engine.probe import device_for_tensor_device
+    from flce_policy.plan.memory import predict_peak
     from flce_policy.strategies import Fastest
 
     shape = (32768, 5376, 262144)
@@ -255,7 +255,7 @@ def test_one_chunk_with_fp32_accumulation_allocates_no_fp32_buffer():
     """One row-only chunk: one GEMM writes each grad_weight element, so accum_dtype=float32 must
     cost nothing (same peak as bf16, as predicted) and give the same gradients bit for bit."""
     from flce_policy import Geometry, Problem
-    from flce_policy.memory import predict_peak
+    from flce_policy.plan.memory import predict_peak
 
     shape = (4096, 4096, 65536)
     x, w, y = make_inputs(*shape, torch.bfloat16, seed=3)
@@ -319,9 +319,9 @@ def test_autocast_over_fp32_master_weight_peaks_as_predicted(hidden_dtype):
     the memory model's (the bf16 call's + the weight's bf16 copy + the wider gradient), and the
     gradients are as accurate as the bf16 call's."""
     from flce_policy import FLCEPolicy, fused_linear_cross_entropy
-    from flce_policy.memory import predict_peak
-    from flce_policy.probe import device_for_tensor_device
-    from flce_policy.problem import Problem
+    from flce_policy.engine.probe import device_for_tensor_device
+    from flce_policy.plan.memory import predict_peak
+    from flce_policy.plan.problem import Problem
 
     shape = (8192, 4096, 131072)
     x, w, y = make_inputs(*shape, torch.bfloat16, seed=5)

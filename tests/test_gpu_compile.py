@@ -88,7 +88,7 @@ def test_compiled_autograd_equals_eager(forward):
 
 def test_inductor_scales_the_gradients_in_place_and_peaks_no_higher(monkeypatch):
     """.grad is the buffer the driver allocated, compiled as in eager, so the compiled step's peak is eager's."""
-    import flce_policy.autograd as flce_autograd
+    import flce_policy.call.autograd as flce_autograd
 
     seen = []
     run = flce_autograd.run_with_oom_fallback

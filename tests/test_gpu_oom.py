@@ -1,6 +1,6 @@
 """GPU (marker ``gpu``): the OOM fallback against the allocator's real OOM, FreeMemory against real free memory.
 
-Filler tensors take the card's memory until what is left is sized from ``flce_policy.memory``'s
+Filler tensors take the card's memory until what is left is sized from ``flce_policy.plan.memory``'s
 prediction: too little for the geometry the policy asks for, enough for half of it. Skipped
 without CUDA; run with ``TRITON_INTERPRET=0 python -m pytest tests/test_gpu_oom.py -m gpu -s``.
 """
@@ -14,12 +14,12 @@ import torch
 from gpu_reference import make_inputs
 
 from flce_policy import FLCEPolicy, OOMFallbackWarning, fused_linear_cross_entropy
-from flce_policy.geometry import Geometry
+from flce_policy.engine.probe import device_for_tensor_device
 from flce_policy.kernels.driver import observe_chunks
-from flce_policy.memory import held_beside_slab, predict_peak
-from flce_policy.memory_now import available_bytes
-from flce_policy.probe import device_for_tensor_device
-from flce_policy.problem import Problem
+from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.memory import held_beside_slab, predict_peak
+from flce_policy.plan.memory_now import available_bytes
+from flce_policy.plan.problem import Problem
 from flce_policy.strategies import FixedChunkSize, FreeMemory, HeuristicC
 
 pytestmark = [

@@ -66,8 +66,8 @@ def _rel(a, e):
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("vocab_chunk", [None, 8192])
 def test_world_size_one_equals_unsharded(group, reduction, vocab_chunk):
-    from flce_policy.geometry import Geometry
-    from flce_policy.problem import Problem
+    from flce_policy.plan.geometry import Geometry
+    from flce_policy.plan.problem import Problem
 
     torch.backends.cuda.matmul.allow_tf32 = False
     x, w, b, y, cw = _inputs()

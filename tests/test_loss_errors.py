@@ -113,7 +113,7 @@ def test_bad_arguments_raise_clear_errors(overrides, exc, message):
     "policy", ["default", 8, {"strategy": "fixed_chunk_size"}, object()], ids=["str", "int", "dict", "object"]
 )
 def test_policy_of_wrong_type(policy):
-    pytest.importorskip("flce_policy.policy")
+    pytest.importorskip("flce_policy.engine.policy")
     with pytest.raises(TypeError, match=r"policy"):
         call(policy=policy)
 

@@ -13,13 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import flce_policy.autograd as flce_autograd
-from flce_policy.geometry import Geometry
+import flce_policy.call.autograd as flce_autograd
 from flce_policy.kernels import ce_kernel
 from flce_policy.kernels.ce_kernel import KERNELS_INTERPRETED
 from flce_policy.kernels.driver import GradRequest, observe_chunks
 from flce_policy.loss import FLCEOutput, FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
-from flce_policy.problem import Problem
+from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.problem import Problem
 from flce_policy.strategies import FixedChunkSize
 
 DEVICE = "cpu" if KERNELS_INTERPRETED else "cuda"
@@ -447,7 +447,7 @@ def test_geometries_agree_with_each_other(geometry_runs):
 
 
 def test_default_policy_matches_reference():
-    pytest.importorskip("flce_policy.policy")
+    pytest.importorskip("flce_policy.engine.policy")
     check_against_reference(make_inputs(**EVERYTHING_INPUTS), policy=None, **EVERYTHING_OPTIONS)
     check_against_reference(make_inputs(bias=True))  # policy left out entirely
 

@@ -15,15 +15,15 @@ import torch
 import torch.nn.functional as F
 
 from flce_policy import FLCEPolicy, OOMFallbackWarning, fused_linear_cross_entropy
-from flce_policy.autograd import FLCEFunction
-from flce_policy.geometry import Geometry
+from flce_policy.call.autograd import FLCEFunction
+from flce_policy.call.options import LossOptions
+from flce_policy.engine.probe import device_for_tensor_device
 from flce_policy.kernels.ce_kernel import KERNELS_INTERPRETED
 from flce_policy.kernels.driver import CEParams, GradRequest, inject_oom, observe_chunks
 from flce_policy.kernels.resilient import run_with_oom_fallback
-from flce_policy.oom import OOMFallback
-from flce_policy.options import LossOptions
-from flce_policy.probe import device_for_tensor_device
-from flce_policy.problem import Problem
+from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.oom import OOMFallback
+from flce_policy.plan.problem import Problem
 from flce_policy.strategies import FixedChunkSize
 
 DEVICE = "cpu" if KERNELS_INTERPRETED else "cuda"

@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from flce_policy import FLCEPolicy, Geometry, Problem, fused_linear_cross_entropy
-from flce_policy.device import DeviceInfo
+from flce_policy.engine.probe import device_for_tensor_device
 from flce_policy.kernels.driver import inject_oom, observe_chunks
-from flce_policy.memory import predict_peak
-from flce_policy.probe import device_for_tensor_device
+from flce_policy.plan.device import DeviceInfo
+from flce_policy.plan.memory import predict_peak
 from flce_policy.strategies import Fastest, FixedChunkSize, FreeMemory, HeuristicC, strategy_from_config
 
 H200 = DeviceInfo.synthetic("H200")
@@ -103,7 +103,7 @@ def test_fastest_fp32_pick_with_several_row_chunks_plans_the_fp32_accumulator():
 
 
 def test_free_memory_plans_its_accumulator_also_under_a_cap(monkeypatch):
-    from flce_policy import memory_now
+    from flce_policy.plan import memory_now
 
     monkeypatch.setattr(memory_now, "available_bytes", lambda device: 80 * 2**30)
     problem = Problem(8192, 5376, 262144)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from flce_policy import probe
-from flce_policy.config import ConfigError
-from flce_policy.device import KNOWN_GPUS, DeviceInfo
-from flce_policy.policy import DeviceRule, FLCEPolicy
-from flce_policy.problem import Problem
+from flce_policy.engine import probe
+from flce_policy.engine.config import ConfigError
+from flce_policy.engine.policy import DeviceRule, FLCEPolicy
+from flce_policy.plan.device import KNOWN_GPUS, DeviceInfo
+from flce_policy.plan.problem import Problem
 from flce_policy.strategies import ChunkStrategy, FixedChunkSize, HeuristicC, SlabBudget, StrategyError
 
 GIB = 2**30

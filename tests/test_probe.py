@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from flce_policy.probe import clear_probe_cache, device_for_tensor_device, probe_device, probe_device_verbose
+from flce_policy.engine.probe import clear_probe_cache, device_for_tensor_device, probe_device, probe_device_verbose
 
 GIB = 2**30
 MIB = 2**20

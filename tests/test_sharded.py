@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from flce_policy import FLCEPolicy, fused_linear_cross_entropy
-from flce_policy.device import DeviceInfo
-from flce_policy.memory import gathered_head_bytes
-from flce_policy.problem import Problem
-from flce_policy.sharded import gathered_zero3, is_zero3_partitioned
+from flce_policy.distributed.sharded import gathered_zero3, is_zero3_partitioned
+from flce_policy.plan.device import DeviceInfo
+from flce_policy.plan.memory import gathered_head_bytes
+from flce_policy.plan.problem import Problem
 from flce_policy.strategies import SlabBudget
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flce_policy.device import DeviceInfo
-from flce_policy.problem import Problem
+from flce_policy.plan.device import DeviceInfo
+from flce_policy.plan.problem import Problem
 from flce_policy.strategies import (
     BUILTIN_STRATEGIES,
     ChunkStrategy,
@@ -351,7 +351,7 @@ class KeepsItUnderAnotherName(ChunkStrategy):
 
 
 def test_a_parameter_kept_under_another_name_is_named():
-    from flce_policy.policy import DeviceRule, FLCEPolicy
+    from flce_policy.engine.policy import DeviceRule, FLCEPolicy
 
     strategy = KeepsItUnderAnotherName(32)
     expected = r"KeepsItUnderAnotherName.__init__ takes a parameter 'rows' but the object has no attribute 'rows'"
@@ -374,7 +374,7 @@ class AnswersWithRows(ChunkStrategy):
 
 
 def test_a_geometry_that_is_not_a_geometry_is_named_where_it_is_asked():
-    from flce_policy.policy import FLCEPolicy
+    from flce_policy.engine.policy import FLCEPolicy
 
     with pytest.raises(
         StrategyError, match=r"AnswersWithRows.geometry\(\) returned int 64, not a flce_policy.Geometry"

@@ -9,11 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flce_policy import fused_linear_cross_entropy, strategy_cache
-from flce_policy.device import DeviceInfo
+from flce_policy import fused_linear_cross_entropy
+from flce_policy.engine import strategy_cache
 from flce_policy.kernels.ce_kernel import KERNELS_INTERPRETED
 from flce_policy.kernels.driver import observe_chunks
-from flce_policy.problem import Problem
+from flce_policy.plan.device import DeviceInfo
+from flce_policy.plan.problem import Problem
 from flce_policy.strategies import ChunkStrategy, FixedChunkSize, StrategyError
 
 DEVICE = "cpu" if KERNELS_INTERPRETED else "cuda"

@@ -1,4 +1,4 @@
-"""The target-range check (flce_policy/targets.py): raised as a ValueError, read after the call's work is queued.
+"""The target-range check (flce_policy/call/targets.py): raised as a ValueError, read after the call's work is queued.
 
 A bad class index must be the caller's Python error whatever else the call does meanwhile: the
 kernels run on safe targets (bad rows ignored) until the flag is read, so nothing indexes outside
@@ -11,9 +11,9 @@ import pytest
 import torch
 from test_loss_kernel import DEVICE
 
-import flce_policy.autograd as flce_autograd
+import flce_policy.call.autograd as flce_autograd
 from flce_policy import fused_linear_cross_entropy
-from flce_policy.targets import TargetCheck, check_target_range, poisoned_targets, start_target_check
+from flce_policy.call.targets import TargetCheck, check_target_range, poisoned_targets, start_target_check
 
 pytestmark = pytest.mark.skipif(
     DEVICE == "cuda" and not torch.cuda.is_available(), reason="the kernels were compiled and there is no CUDA GPU"

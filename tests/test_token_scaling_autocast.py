@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from test_loss_kernel import BT, DEVICE, FP32_TOL, REDUCTIONS, H, V, assert_close, default_grad_output, make_inputs
 
-from flce_policy.geometry import Geometry
 from flce_policy.loss import fused_linear_cross_entropy
-from flce_policy.problem import Problem
+from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.problem import Problem
 from flce_policy.strategies import FixedChunkSize
 
 pytestmark = pytest.mark.skipif(

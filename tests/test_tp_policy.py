@@ -8,11 +8,11 @@ import pytest
 from pydantic import ValidationError
 
 from flce_policy.cli import main
-from flce_policy.collectives import BYTES_PER_ROW, COLLECTIVES_PER_CHUNK, comm_plan
-from flce_policy.cost_model import RATES, predict_seconds, rate_coefficients
-from flce_policy.device import DeviceInfo
-from flce_policy.geometry import Geometry
-from flce_policy.problem import Problem, vocab_shard_sizes
+from flce_policy.plan.collectives import BYTES_PER_ROW, COLLECTIVES_PER_CHUNK, comm_plan
+from flce_policy.plan.cost_model import RATES, predict_seconds, rate_coefficients
+from flce_policy.plan.device import DeviceInfo
+from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.problem import Problem, vocab_shard_sizes
 from flce_policy.strategies import Fastest
 
 

@@ -10,14 +10,13 @@ import pytest
 import torch
 import yaml
 
-from flce_policy.benchmarks import tune
 from flce_policy.benchmarks.suite import Record, with_floor_ratios
-from flce_policy.cli import main
-from flce_policy.device import DeviceInfo
-from flce_policy.policy import FLCEPolicy
-from flce_policy.problem import Problem
+from flce_policy.cli import main, tune
+from flce_policy.engine.policy import FLCEPolicy
+from flce_policy.plan.device import DeviceInfo
+from flce_policy.plan.problem import Problem
+from flce_policy.plan.units import exact_size, parse_bytes
 from flce_policy.strategies import SlabBudget
-from flce_policy.units import exact_size, parse_bytes
 
 GIB, MIB = 2**30, 2**20
 GEMMA = (8192, 5376, 262144)
@@ -282,8 +281,8 @@ def test_without_cuda_it_says_so(tmp_path, capsys, monkeypatch):
 
 def test_gpu_run_glue_with_a_stubbed_suite(tmp_path, capsys, monkeypatch):
     """Per shape: the floor and our fixed rows from 256 rows to one chunk; the file written loads."""
-    from flce_policy import probe
     from flce_policy.benchmarks import suite
+    from flce_policy.engine import probe
 
     times = {256: 145.0, 512: 125.0, 1024: 115.0, 2048: 108.5, 4096: 106.5, 8192: 106.3}
     peaks = {256: 3.2, 512: 3.3, 1024: 3.45, 2048: 3.7, 4096: 4.7, 8192: 6.7}
@@ -339,7 +338,7 @@ def test_gpu_run_glue_with_a_stubbed_suite(tmp_path, capsys, monkeypatch):
 
 def modelled_rows(shape, rates, chunks=(256, 512, 1024, 2048, 4096)):
     """Rows timed by the cost model itself at ``rates`` (and the floor at the GEMM rate)."""
-    from flce_policy.cost_model import predict_seconds
+    from flce_policy.plan.cost_model import predict_seconds
 
     tokens, hidden, vocab = shape
     rows = [floor(shape, 6.0 * tokens * hidden * vocab / rates.matmul_flops * 1e3)]
@@ -350,7 +349,7 @@ def modelled_rows(shape, rates, chunks=(256, 512, 1024, 2048, 4096)):
 
 
 def test_calibration_recovers_the_rates_that_made_the_times():
-    from flce_policy.cost_model import DeviceRates
+    from flce_policy.plan.cost_model import DeviceRates
 
     made = DeviceRates(4.1e14, 2.7e12)
     rates, worst = tune.calibrate(modelled_rows(GEMMA, made) + modelled_rows(LONG, made), H200)
@@ -363,7 +362,7 @@ def test_calibration_on_the_committed_h200_run_stays_near_the_table():
     import json
     from pathlib import Path
 
-    from flce_policy.cost_model import RATES
+    from flce_policy.plan.cost_model import RATES
 
     path = Path(__file__).resolve().parents[1] / "benchmarks/results/2026-11-29-h200/bench.json"
     records = [Record.from_dict(r) for r in json.loads(path.read_text())["records"]]
@@ -383,16 +382,16 @@ def test_calibration_on_the_committed_h200_run_stays_near_the_table():
     ],
 )
 def test_calibration_refuses_what_it_cannot_fit(samples, fragment):
-    from flce_policy.cost_model import RATES, fit_rates
+    from flce_policy.plan.cost_model import RATES, fit_rates
 
     with pytest.raises(ValueError, match=fragment):
         fit_rates(samples, RATES["H200"])
 
 
 def test_tune_writes_fastest_with_the_calibrated_rates(tmp_path, capsys, monkeypatch):
-    from flce_policy import probe
     from flce_policy.benchmarks import suite
-    from flce_policy.cost_model import DeviceRates
+    from flce_policy.engine import probe
+    from flce_policy.plan.cost_model import DeviceRates
     from flce_policy.strategies import Fastest
 
     made = DeviceRates(5.0e14, 3.5e12)
@@ -439,8 +438,8 @@ def test_help_gives_no_default_for_the_limits_it_requires(capsys):
 def test_json_reports_what_was_written_and_measured(tmp_path, capsys, monkeypatch):
     import json
 
-    from flce_policy import probe
     from flce_policy.benchmarks import suite
+    from flce_policy.engine import probe
 
     def fake_run_suite(shapes, methods, *, logit_std, warmup, repeats, predict_peak, on_start, on_record):
         by_chunk = {r.chunk_size: r for r in gemma_rows()}
@@ -469,8 +468,8 @@ def test_json_reports_what_was_written_and_measured(tmp_path, capsys, monkeypatc
 
 
 def test_nothing_fitting_the_limits_is_a_user_error(tmp_path, capsys, monkeypatch):
-    from flce_policy import probe
     from flce_policy.benchmarks import suite
+    from flce_policy.engine import probe
 
     def fake_run_suite(shapes, methods, *, logit_std, warmup, repeats, predict_peak, on_start, on_record):
         by_chunk = {r.chunk_size: r for r in gemma_rows()}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flce_policy.units import cdiv, format_bytes, next_pow2, parse_bytes, prev_pow2
+from flce_policy.plan.units import cdiv, format_bytes, next_pow2, parse_bytes, prev_pow2
 
 
 @pytest.mark.parametrize(

@@ -24,11 +24,11 @@ import torch.multiprocessing as mp
 from test_loss_kernel import FP32_TOL, assert_close, make_inputs, reference
 from test_token_scaling_autocast import scaled_reference
 
-from flce_policy.geometry import Geometry
 from flce_policy.kernels.ce_kernel import KERNELS_INTERPRETED
 from flce_policy.kernels.driver import observe_chunks
 from flce_policy.loss import FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
-from flce_policy.problem import Problem
+from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.problem import Problem
 from flce_policy.strategies import FixedChunkSize, SlabBudget
 
 pytestmark = pytest.mark.skipif(not KERNELS_INTERPRETED, reason="CPU gloo tests run the kernels under the interpreter")

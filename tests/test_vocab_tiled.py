@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from flce_policy import Geometry, Problem, fused_linear_cross_entropy
-from flce_policy.accumulator import accumulator_layout
 from flce_policy.kernels.driver import observe_chunks
+from flce_policy.plan.accumulator import accumulator_layout
 
 BT, H, V = 37, 24, 301  # odd on purpose: tails in both dimensions
 
@@ -145,7 +145,7 @@ def test_bf16_single_row_chunk_rounds_weight_gradient_once():
     assert rel(gw, rgw) <= 4 * rel(egw, rgw)
 
 
-# --- the fp32 grad_input accumulator in borrowed bytes (flce_policy.accumulator) ---------------
+# --- the fp32 grad_input accumulator in borrowed bytes (flce_policy.plan.accumulator) ---------------
 
 
 def bf16_case(seed: int, hidden: int = H):

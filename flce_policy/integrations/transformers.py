@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flce_policy.call.options import LossOptions
+from flce_policy.distributed.sharded import gathered_zero3
 from flce_policy.integrations.hf_families import (
     LogitTransform,
     forward_logit_reads,
@@ -33,8 +35,6 @@ from flce_policy.integrations.hf_families import (
     unapplied_forward_reads,
 )
 from flce_policy.loss import FLCEOutput, fused_linear_cross_entropy
-from flce_policy.options import LossOptions
-from flce_policy.sharded import gathered_zero3
 
 __all__ = ["apply_flce", "causal_lm_loss", "remove_flce", "FLCE_OUTPUT_FIELDS"]
 

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from flce_policy.distributed.sharded import is_dtensor, is_zero3_partitioned
 from flce_policy.integrations.hf_families import logit_transform, unapplied_transform_attributes
 from flce_policy.loss import FLCEOutput, fused_linear_cross_entropy
-from flce_policy.sharded import is_dtensor, is_zero3_partitioned
 
 __all__ = ["add_flce_lm_head", "apply_flce_to_sft_trainer", "SUPPORTED_OUTPUTS", "REFUSED_OUTPUTS", "SFT_OUTPUTS"]
 

@@ -6,8 +6,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from flce_policy.problem import DTYPE_ITEMSIZE, LogitsDType, Problem, checked_dtype, normalise_dtype
-from flce_policy.units import cdiv, format_bytes
+from flce_policy.plan.problem import DTYPE_ITEMSIZE, LogitsDType, Problem, checked_dtype, normalise_dtype
+from flce_policy.plan.units import cdiv, format_bytes
 
 __all__ = ["Geometry"]
 

@@ -24,7 +24,7 @@ matches every device, the CPU fallback included (write ``match: cpu`` to single 
 Every error names the source (file) and the key path, e.g.
 ``config.yaml: devices[1].max_slab: cannot parse 'lots' as a byte size ...``, and into a nested
 strategy: ``devices[1].cap.c: c must be a positive integer, got 0``.
-This module only parses; :mod:`flce_policy.policy` turns the result into a policy.
+This module only parses; :mod:`flce_policy.engine.policy` turns the result into a policy.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from typing import Any, NamedTuple
 import yaml
 from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError, field_validator, model_validator
 
+from flce_policy.plan.units import parse_bytes
 from flce_policy.strategies import ChunkStrategy, StrategyError, strategy_class, strategy_from_config
-from flce_policy.units import parse_bytes
 
 __all__ = [
     "CONFIG_VERSION",

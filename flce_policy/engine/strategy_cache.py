@@ -1,6 +1,6 @@
 """The geometry of a strategy handed to the loss itself (``policy=SlabBudget(...)``), cached.
 
-An :class:`~flce_policy.policy.FLCEPolicy` caches its decisions per (problem, device); a strategy
+An :class:`~flce_policy.engine.policy.FLCEPolicy` caches its decisions per (problem, device); a strategy
 given directly would otherwise be asked, validated and its Geometry built on every loss call
 (0.05 ms for SlabBudget, milliseconds for Fastest's search). The cache keys on the strategy's
 class and parameters (:meth:`~flce_policy.strategies.ChunkStrategy.params_key`), not on the
@@ -13,9 +13,9 @@ without bound.
 
 from __future__ import annotations
 
-from flce_policy.device import DeviceInfo
-from flce_policy.geometry import Geometry
-from flce_policy.problem import Problem
+from flce_policy.plan.device import DeviceInfo
+from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.problem import Problem
 from flce_policy.strategies import ChunkStrategy, checked_geometry
 
 __all__ = ["strategy_geometry", "clear_strategy_cache"]

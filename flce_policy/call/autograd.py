@@ -22,14 +22,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from flce_policy.geometry import Geometry
+from flce_policy.call.options import LossOptions
+from flce_policy.call.targets import TargetCheck
 from flce_policy.kernels.driver import CEParams, DriverOutputs, GradRequest
 from flce_policy.kernels.loss_total import loss_totals
 from flce_policy.kernels.resilient import run_with_oom_fallback
 from flce_policy.kernels.scale import scale_all_unless_one_
-from flce_policy.oom import DEFAULT_OOM_FALLBACK, OOMFallback
-from flce_policy.options import LossOptions
-from flce_policy.targets import TargetCheck
+from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.oom import DEFAULT_OOM_FALLBACK, OOMFallback
 
 __all__ = [
     "FLCEFunction", "ForwardResult", "SECOND_ORDER_MESSAGE", "autocast_off", "forward_pass", "grad_request",

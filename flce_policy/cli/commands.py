@@ -10,7 +10,7 @@ traceback. ``--json`` prints machine-readable JSON on stdout: for
 or ``{"problem", "policy", "decisions": [...]}`` for the known-GPU table. The active policy is
 ``--config FILE``, else the file ``$FLCE_POLICY_CONFIG`` names, else the packaged default.
 ``bench`` hands its arguments to ``flce_policy.benchmarks.cli`` (see ``flce-policy bench --help``), ``tune``
-to ``flce_policy.benchmarks.tune`` (see ``flce-policy tune --help``).
+to ``flce_policy.cli.tune`` (see ``flce-policy tune --help``).
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from flce_policy.config import CONFIG_VERSION, ConfigError
-from flce_policy.device import DeviceInfo
-from flce_policy.policy import CONFIG_ENV_VAR, FLCEPolicy
-from flce_policy.problem import Problem, checked_dtype, vocab_shard_sizes
+from flce_policy.engine.config import CONFIG_VERSION, ConfigError
+from flce_policy.engine.policy import CONFIG_ENV_VAR, FLCEPolicy
+from flce_policy.plan.device import DeviceInfo
+from flce_policy.plan.problem import Problem, checked_dtype, vocab_shard_sizes
+from flce_policy.plan.units import format_bytes
 from flce_policy.strategies import BUILTIN_STRATEGIES, StrategyError, strategy_from_config
-from flce_policy.units import format_bytes
 
 __all__ = ["main", "MODEL_PRESETS"]
 
@@ -255,7 +255,7 @@ def _params(pairs: list[str]) -> dict[str, Any]:
 
 
 def _cmd_probe(args: argparse.Namespace) -> int:
-    from flce_policy.probe import probe_device_verbose
+    from flce_policy.engine.probe import probe_device_verbose
 
     device, notes = probe_device_verbose()
     policy = _policy(args)
@@ -291,7 +291,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     elif args.all_gpus:
         device, title = None, "the decision on each known GPU"
     else:
-        from flce_policy.probe import probe_device
+        from flce_policy.engine.probe import probe_device
 
         device = probe_device()
         device, title = (device, "") if device.is_gpu else (None, "no GPU here; the decision on each known GPU")
@@ -340,7 +340,7 @@ def _device(family: str) -> DeviceInfo:
 
 def _tp_ranks(policy: FLCEPolicy, problem: Problem, device: DeviceInfo, args: argparse.Namespace) -> list[dict]:
     """Each rank's shard and the geometry the policy resolves for it; the loss runs every rank at the
-    smallest chunk among them (flce_policy.vocab_parallel: the row chunks' collectives pair up)."""
+    smallest chunk among them (flce_policy.distributed.vocab_parallel: the row chunks' collectives pair up)."""
     vocab = args.vocab if args.vocab is not None else MODEL_PRESETS[args.model].vocab
     shards = _shards(vocab, problem.tp_size)
     geometries = [policy.resolve(problem.model_copy(update={"vocab": rows}), device) for rows in shards]
@@ -412,7 +412,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    from flce_policy.benchmarks import tune  # torch and the kernels load only here, as for bench
+    from flce_policy.cli import tune  # torch and the kernels load only here, as for bench
 
     return tune.main(args.tune_args, prog="flce-policy tune")
 
@@ -528,7 +528,3 @@ def _console() -> Console:
     # Wide when piped or captured, so tables keep one line per row instead of wrapping at 80 columns;
     # no markup, since device descriptions hold brackets ("[family H100]") rich would eat.
     return Console(width=None if sys.stdout.isatty() else 160, markup=False)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

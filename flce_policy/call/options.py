@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 if TYPE_CHECKING:
-    from flce_policy.geometry import Geometry
+    from flce_policy.plan.geometry import Geometry
 
 __all__ = ["LossOptions", "Reduction", "SoftcapRounding"]
 

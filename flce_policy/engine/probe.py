@@ -10,7 +10,7 @@ import functools
 import os
 from typing import Any
 
-from flce_policy.device import DeviceInfo, family_from_name
+from flce_policy.plan.device import DeviceInfo, family_from_name
 
 __all__ = ["probe_device", "probe_device_verbose", "device_for_tensor_device", "clear_probe_cache"]
 

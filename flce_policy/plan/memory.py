@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from flce_policy.accumulator import accumulator_layout, narrow_step_rows
-from flce_policy.geometry import Geometry
-from flce_policy.problem import DTYPE_ITEMSIZE, Problem, checked_dtype
-from flce_policy.units import format_bytes
+from flce_policy.plan.accumulator import accumulator_layout, narrow_step_rows
+from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.problem import DTYPE_ITEMSIZE, Problem, checked_dtype
+from flce_policy.plan.units import format_bytes
 
 __all__ = ["MemoryEstimate", "predict_peak", "held_beside_slab", "gathered_head_bytes"]
 
@@ -67,7 +67,7 @@ def predict_peak(
     layout = accumulator_layout(geometry, input_grad=input_grad, weight_grad=weight_grad)
     if layout.separate:
         # vocab tiles add into grad_input across the tiles; the rows of the fp32 accumulator
-        # that do not fit in borrowed bytes (flce_policy.accumulator)
+        # that do not fit in borrowed bytes (flce_policy.plan.accumulator)
         loop["grad_input_accumulator"] = layout.separate_bytes(p.hidden)
     if layout.in_grad_input:
         step_rows = min(narrow_step_rows(p.hidden, p.itemsize), layout.in_grad_input)

@@ -13,16 +13,16 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from flce_policy.collectives import comm_plan
-from flce_policy.config import CONFIG_VERSION, ConfigError, load_yaml_file, load_yaml_text, parse_config
-from flce_policy.cost_model import predict_seconds
-from flce_policy.device import DeviceInfo
-from flce_policy.geometry import Geometry
-from flce_policy.memory import gathered_head_bytes, predict_peak
-from flce_policy.oom import DEFAULT_MIN_CHUNK_SIZE, OOMFallback
-from flce_policy.problem import Problem
+from flce_policy.engine.config import CONFIG_VERSION, ConfigError, load_yaml_file, load_yaml_text, parse_config
+from flce_policy.plan.collectives import comm_plan
+from flce_policy.plan.cost_model import predict_seconds
+from flce_policy.plan.device import DeviceInfo
+from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.memory import gathered_head_bytes, predict_peak
+from flce_policy.plan.oom import DEFAULT_MIN_CHUNK_SIZE, OOMFallback
+from flce_policy.plan.problem import Problem
+from flce_policy.plan.units import format_bytes, parse_bytes
 from flce_policy.strategies import ChunkStrategy, HeuristicC, checked_geometry
-from flce_policy.units import format_bytes, parse_bytes
 
 __all__ = ["CONFIG_ENV_VAR", "DEFAULT_RULE", "DeviceRule", "FLCEPolicy"]
 
@@ -158,7 +158,7 @@ class FLCEPolicy:
         self.source = source
         self._cache: dict[tuple[Problem, DeviceInfo], Geometry | _AskEachCall] = {}
         self._probed: DeviceInfo | None = None
-        from flce_policy.policy_keys import register_policy  # the compiled loss finds it by id
+        from flce_policy.engine.policy_keys import register_policy  # the compiled loss finds it by id
 
         register_policy(self)
 
@@ -288,7 +288,7 @@ class FLCEPolicy:
 
     def _probe(self) -> DeviceInfo:
         if self._probed is None:
-            from flce_policy import probe  # deferred: probing pulls in NVML/torch, which planning never needs
+            from flce_policy.engine import probe  # deferred: probing pulls in NVML/torch, which planning never needs
 
             self._probed = probe.probe_device()
         return self._probed

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from flce_policy.geometry import Geometry
+from flce_policy.plan.geometry import Geometry
 
 __all__ = ["AccumulatorLayout", "accumulator_layout", "narrow_step_rows"]
 

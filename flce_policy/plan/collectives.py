@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from flce_policy.geometry import Geometry
+from flce_policy.plan.geometry import Geometry
 
 __all__ = ["COLLECTIVES_PER_CHUNK", "BYTES_PER_ROW", "CommPlan", "comm_plan"]
 

@@ -10,10 +10,10 @@ Terms (seconds), each traced to measurements on the H200 (benchmarks/notes/READM
 - grad_input accumulator of vocab tiles: every tile after the first re-reads and re-writes the
   fp32 ``[chunk_size, H]`` accumulator, for every row;
 - the CE kernels: two reads and one write of all logits at ``ce_efficiency`` of HBM;
-- late vocab tiles (flce_policy.accumulator) computed a third time: their logits GEMM and a
+- late vocab tiles (flce_policy.plan.accumulator) computed a third time: their logits GEMM and a
   read and a write of their logits;
 - vocab parallel (``problem.tp_size > 1``, the problem being one rank's shard): the collectives of
-  :func:`flce_policy.collectives.comm_plan`, each paying ``collective_latency_s`` plus a ring
+  :func:`flce_policy.plan.collectives.comm_plan`, each paying ``collective_latency_s`` plus a ring
   all-reduce's ``2 (n - 1) / n`` of its bytes at ``link_bytes_per_s``. These two rates are
   ASSUMED (NVLink-class all-reduce bus bandwidth and small-message latency), not yet measured.
 At 8192x5376x262144 this predicts 140 / 106 / 102 ms for 256 / 2048 / 8192-row chunks and
@@ -27,10 +27,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from flce_policy.accumulator import accumulator_layout
-from flce_policy.collectives import comm_plan
-from flce_policy.device import DeviceInfo
-from flce_policy.geometry import Geometry
+from flce_policy.plan.accumulator import accumulator_layout
+from flce_policy.plan.collectives import comm_plan
+from flce_policy.plan.device import DeviceInfo
+from flce_policy.plan.geometry import Geometry
 
 __all__ = [
     "DeviceRates",

@@ -2,7 +2,7 @@
 
 For each shape the benchmark's ``ours_chunk*`` rows run: our loss at FixedChunkSize over powers
 of two from 256 rows up to one chunk of all BT rows, fwd+bwd, timed and with the peak measured
-over the inputs by :mod:`.suite`. A row *fits* when its measured peak is within ``--max-peak``
+over the inputs by :mod:`flce_policy.benchmarks.suite`. A row *fits* when its measured peak is within ``--max-peak``
 and its slab within ``--max-slab``.
 
 One ``max_slab`` serves every shape (a ``slab_budget`` rule picks per shape from it): of the
@@ -12,7 +12,7 @@ whose worst shape is closest. The smallest, because memory a slab does not take 
 rest of the training step keeps.
 
 The same measurements (and the three-GEMM floor) calibrate the cost model: the GEMM rate and
-HBM bandwidth that best explain them (:func:`flce_policy.cost_model.fit_rates`). With
+HBM bandwidth that best explain them (:func:`flce_policy.plan.cost_model.fit_rates`). With
 ``--strategy fastest`` the rule is instead a ``fastest`` strategy carrying those rates, under the
 same limits (``max_slab``, and ``max_peak`` on the predicted peak).
 
@@ -35,22 +35,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from flce_policy.cost_model import DeviceRates, fit_rates, predict_seconds, rate_coefficients, rates_for
-from flce_policy.device import DeviceInfo
-from flce_policy.geometry import Geometry
-from flce_policy.policy import DeviceRule, FLCEPolicy
-from flce_policy.problem import Problem
-from flce_policy.strategies import ChunkStrategy, Fastest, SlabBudget, StrategyError
-from flce_policy.units import exact_size, format_bytes, parse_bytes
-
-from .cli import (
+from flce_policy.benchmarks.cli import (
     Parser,
     UsageError,
     add_measurement_options,
     run_command,
     shape_arg,
 )
-from .suite import Record, format_shape
+from flce_policy.benchmarks.suite import Record, format_shape
+from flce_policy.engine.policy import DeviceRule, FLCEPolicy
+from flce_policy.plan.cost_model import DeviceRates, fit_rates, predict_seconds, rate_coefficients, rates_for
+from flce_policy.plan.device import DeviceInfo
+from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.problem import Problem
+from flce_policy.plan.units import exact_size, format_bytes, parse_bytes
+from flce_policy.strategies import ChunkStrategy, Fastest, SlabBudget, StrategyError
 
 __all__ = [
     "TOLERANCE",
@@ -343,7 +342,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "flce-policy tune") -
 
 
 def build_parser(prog: str) -> Parser:
-    from .suite import DEFAULT_SHAPES
+    from flce_policy.benchmarks.suite import DEFAULT_SHAPES
 
     parser = Parser(
         prog=prog,
@@ -419,9 +418,8 @@ def run(args: argparse.Namespace) -> int:
 
     if not torch.cuda.is_available():
         raise UsageError("tune needs a CUDA GPU (torch.cuda.is_available() is False): it measures the GPU it runs on")
-    from flce_policy.probe import probe_device
-
-    from .suite import DEFAULT_SHAPES
+    from flce_policy.benchmarks.suite import DEFAULT_SHAPES
+    from flce_policy.engine.probe import probe_device
 
     device = probe_device()
     limits = Limits(args.max_peak, args.max_slab)
@@ -522,9 +520,9 @@ def _fastest(rates: DeviceRates, limits: Limits, accum: str) -> Fastest:
 
 
 def _measure(shapes: list[Shape], device: DeviceInfo, args: argparse.Namespace) -> list[Record]:
-    from . import suite
-    from .methods import FLOOR, default_methods, predicted_peak
-    from .progress import SuiteProgress
+    from flce_policy.benchmarks import suite
+    from flce_policy.benchmarks.methods import FLOOR, default_methods, predicted_peak
+    from flce_policy.benchmarks.progress import SuiteProgress
 
     plans = []
     for shape in shapes:

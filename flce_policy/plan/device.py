@@ -7,7 +7,7 @@ from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from flce_policy.units import format_bytes
+from flce_policy.plan.units import format_bytes
 
 __all__ = ["DeviceInfo", "KnownGPU", "KNOWN_GPUS", "family_from_name", "DeviceSource"]
 

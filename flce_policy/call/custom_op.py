@@ -3,7 +3,7 @@
 ``fused_linear_cross_entropy`` calls :func:`compiled_loss` instead of ``FLCEFunction`` while
 Dynamo traces it. The compiler then sees ``flce_policy::fused_linear_cross_entropy``: its fake
 implementation gives the output shapes and dtypes, and at run time the real one runs the same
-code as eager (``flce_policy.autograd.forward_pass``: the Python chunk loop, the OOM fallback).
+code as eager (``flce_policy.call.autograd.forward_pass``: the Python chunk loop, the OOM fallback).
 
 The op is defined with ``torch.library.Library`` and one ``CompositeExplicitAutograd`` kernel, and
 its derivative is an ``autograd.Function`` around the call that Dynamo traces (AOTAutograd turns it
@@ -50,15 +50,15 @@ from typing import Any
 
 import torch
 
-from flce_policy.autograd import autocast_off, forward_pass, grad_request, recompute_grads
-from flce_policy.geometry import Geometry
+from flce_policy.call.autograd import autocast_off, forward_pass, grad_request, recompute_grads
+from flce_policy.call.options import LossOptions
+from flce_policy.call.targets import TargetCheck, poisoned_targets
+from flce_policy.engine.policy_keys import DEFAULT_POLICY_KEY, live_policy, policy_key
 from flce_policy.kernels.driver import GradRequest
 from flce_policy.loss import _geometry_for, _problem
-from flce_policy.oom import DEFAULT_OOM_FALLBACK
-from flce_policy.options import LossOptions
-from flce_policy.policy_keys import DEFAULT_POLICY_KEY, live_policy, policy_key
-from flce_policy.problem import Problem
-from flce_policy.targets import TargetCheck, poisoned_targets
+from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.oom import DEFAULT_OOM_FALLBACK
+from flce_policy.plan.problem import Problem
 
 __all__ = ["compiled_loss"]
 
@@ -191,7 +191,7 @@ def _host_sync_allowed(device: torch.device) -> bool:
 def _checked_targets(
     target: torch.Tensor, vocab: int, ignore_index: int, class_weight: torch.Tensor | None, mean: bool
 ) -> TargetCheck:
-    """The call's targets (flce_policy/targets.py).
+    """The call's targets (flce_policy/call/targets.py).
 
     Outside CUDA-graph capture: the eager path's check, a ValueError once the call's work is queued.
     While capturing (no host read allowed): bad rows run as ignored and the poison makes the loss NaN.
@@ -379,7 +379,7 @@ def compiled_loss(
     compute_dtype: torch.dtype | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``FLCEFunction.apply``'s results through the op: ``(loss, z_loss, accuracy, predicted, entropy)``."""
-    from flce_policy.policy import FLCEPolicy
+    from flce_policy.engine.policy import FLCEPolicy
 
     rows, vocab_chunk, accum = 0, 0, ""
     if isinstance(policy, Geometry):

@@ -30,10 +30,10 @@ from typing import Any, Literal, NamedTuple
 import torch
 import torch.distributed as dist
 
-from flce_policy.geometry import Geometry
-from flce_policy.options import LossOptions
-from flce_policy.sharded import is_dtensor
-from flce_policy.targets import TargetCheck
+from flce_policy.call.options import LossOptions
+from flce_policy.call.targets import TargetCheck
+from flce_policy.distributed.sharded import is_dtensor
+from flce_policy.plan.geometry import Geometry
 
 __all__ = ["GradInputMode", "VocabParallelCall", "prepare_vocab_parallel"]
 

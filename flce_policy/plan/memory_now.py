@@ -5,7 +5,7 @@ Tests replace :func:`available_bytes` to size slabs against synthetic numbers.
 
 from __future__ import annotations
 
-from flce_policy.device import DeviceInfo
+from flce_policy.plan.device import DeviceInfo
 
 __all__ = ["available_bytes"]
 

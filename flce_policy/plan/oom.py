@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from flce_policy.geometry import Geometry
+from flce_policy.plan.geometry import Geometry
 
 __all__ = ["DEFAULT_MIN_CHUNK_SIZE", "DEFAULT_OOM_FALLBACK", "OOMFallback", "OOMFallbackWarning"]
 
@@ -28,7 +28,7 @@ class OOMFallback:
     """Retry at half the rows on ``torch.cuda.OutOfMemoryError``, down to ``min_chunk_size``.
 
     ``remember(geometry)`` records the geometry that completed, so later calls start from it
-    (an :class:`~flce_policy.policy.FLCEPolicy` hands out its ``remember`` bound to the problem
+    (an :class:`~flce_policy.engine.policy.FLCEPolicy` hands out its ``remember`` bound to the problem
     and device); None when nothing records it. Built per call by the policy, which validated
     ``min_chunk_size`` once, so nothing is checked here.
     """
