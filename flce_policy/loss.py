@@ -7,31 +7,22 @@ logits are documented on :func:`fused_linear_cross_entropy`.
 
 from __future__ import annotations
 
-import functools
-import os
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
 
 from flce_policy.call.options import LossOptions, Reduction, SoftcapRounding
+from flce_policy.call.resolve import check_tensors, geometry_for
 from flce_policy.call.targets import TargetCheck, start_target_check
 from flce_policy.distributed.sharded import check_unsharded, is_dtensor
 from flce_policy.distributed.vocab_parallel import GradInputMode, prepare_vocab_parallel
-from flce_policy.engine import probe
-from flce_policy.engine.policy import CONFIG_ENV_VAR, FLCEPolicy
-from flce_policy.engine.strategy_cache import strategy_geometry
 from flce_policy.plan.geometry import Geometry
-from flce_policy.plan.oom import DEFAULT_OOM_FALLBACK
-from flce_policy.plan.problem import Problem
-from flce_policy.strategies import ChunkStrategy
 
 if TYPE_CHECKING:
     from flce_policy.plan.oom import OOMFallback
 
 __all__ = ["fused_linear_cross_entropy", "FusedLinearCrossEntropyLoss", "FLCEOutput", "autocast_dtype"]
-
-_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class FLCEOutput(NamedTuple):
@@ -155,7 +146,7 @@ def fused_linear_cross_entropy(
         check_unsharded(input=input, weight=weight, bias=bias)  # a DTensor or ZeRO-3 shard: a clear error, not torch's
         if tp_grad_input != "full":
             raise ValueError("tp_grad_input applies to a vocab-parallel head only (tp_group or a DTensor weight)")
-        x, target_flat, class_weight = _check_tensors(input, weight, target, bias, class_weight, compute_dtype)
+        x, target_flat, class_weight = check_tensors(input, weight, target, bias, class_weight, compute_dtype)
         if not weight.shape[0]:
             raise ValueError(
                 f"weight has no rows: its vocabulary dimension V is 0 (weight is [V, H] = {tuple(weight.shape)}); "
@@ -240,7 +231,7 @@ def _eager_loss(
     )
     if not x.shape[0]:
         return _apply(x, weight, bias, target, class_weight, None, options, None, compute_dtype, targets)
-    geometry, fallback = _geometry_for(policy, x, weight, compute_dtype or x.dtype)
+    geometry, fallback = geometry_for(policy, x, weight, compute_dtype or x.dtype)
     return _apply(x, weight, bias, target, class_weight, geometry, options, fallback, compute_dtype, targets)
 
 
@@ -276,7 +267,7 @@ def autocast_dtype(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     does the same (an fp32 master weight and fp32 or bf16 hidden states compute in bf16).
     """
     if not isinstance(input, torch.Tensor) or input.device.type not in ("cuda", "cpu"):
-        return None  # _check_tensors names the problem
+        return None  # check_tensors names the problem
     device_type = input.device.type
     if not torch.is_autocast_enabled(device_type):
         return None
@@ -306,142 +297,8 @@ class FusedLinearCrossEntropyLoss(nn.Module):
         return ", ".join([f"policy={self.policy!r}"] + [f"{k}={v!r}" for k, v in self.options.items()])
 
 
-def _geometry_for(
-    policy: Any, x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, *, tp_size: int = 1
-) -> tuple[Geometry, OOMFallback | None]:
-    """The geometry to run, and how an OOM on its slab is answered (a policy's settings, else the default).
-
-    Under tensor parallelism ``weight`` is this rank's shard and ``tp_size`` the group's size.
-    Called on every loss call (eager, and inside the compiled op): plain lookups, no validation
-    once a problem has been seen.
-    """
-    if isinstance(policy, Geometry):
-        return policy, DEFAULT_OOM_FALLBACK  # checked against the tensors by the driver
-    problem = _problem(x.shape[0], x.shape[1], weight.shape[0], dtype, tp_size)
-    device = probe.device_for_tensor_device(x.device)
-    if isinstance(policy, ChunkStrategy):
-        return strategy_geometry(policy, problem, device), DEFAULT_OOM_FALLBACK
-    if policy is None:
-        policy = _default_policy(os.environ.get(CONFIG_ENV_VAR))
-    if isinstance(policy, FLCEPolicy):
-        return policy.resolve(problem, device), policy.oom_fallback_for(problem, device)
-    raise TypeError(f"policy must be an FLCEPolicy, a Geometry, a ChunkStrategy or None; got {type(policy).__name__}")
-
-
-@functools.lru_cache(maxsize=1024)
-def _problem(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, tp_size: int) -> Problem:
-    """The (validated, immutable) Problem of a call's sizes, built once per distinct sizes."""
-    return Problem(tokens=tokens, hidden=hidden, vocab=vocab, dtype=dtype, tp_size=tp_size)
-
-
-@functools.lru_cache(maxsize=4)
-def _default_policy(config_path: str | None) -> FLCEPolicy:
-    """``FLCEPolicy.default()`` loaded once per FLCE_POLICY_CONFIG value, not on every call."""
-    return FLCEPolicy.default()
-
-
-def _check_tensors(
-    input: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    bias: torch.Tensor | None,
-    class_weight: torch.Tensor | None,
-    compute_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Validate shapes, dtypes and devices; return flattened input/target and fp32 class weights.
-
-    ``compute_dtype`` (autocast) lets input, weight and bias differ in dtype: all are cast to it.
-    The target range is the caller's to check (flce_policy/call/targets.py): eagerly while the call's
-    kernels are queued, inside the custom op under compile, over the whole V for a vocab shard.
-    """
-    for name, tensor in (("input", input), ("weight", weight), ("target", target)):
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if bias is not None and not isinstance(bias, torch.Tensor):
-        raise TypeError(_bias_type_message(bias))
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [V, H], got shape {tuple(weight.shape)}")
-    vocab, hidden = weight.shape
-    if input.dim() < 1 or input.shape[-1] != hidden:
-        raise ValueError(
-            f"input must be [..., H] with H={hidden} (weight is [V={vocab}, H={hidden}]), got {tuple(input.shape)}"
-        )
-    if target.shape != input.shape[:-1]:
-        raise ValueError(f"target shape {tuple(target.shape)} must equal input.shape[:-1] = {tuple(input.shape[:-1])}")
-    for name, tensor in (("input", input), ("weight", weight)):
-        if tensor.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{name} dtype must be bfloat16, float16 or float32, got {tensor.dtype}")
-    if weight.dtype != input.dtype and compute_dtype is None:
-        raise TypeError(
-            f"weight dtype {weight.dtype} must equal input dtype {input.dtype} "
-            "(outside torch.autocast; inside it both are cast to the autocast dtype)"
-        )
-    if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
-        raise TypeError(f"target must hold integer class indices, got dtype {target.dtype}")
-    if bias is not None:
-        if bias.shape != (vocab,):
-            raise ValueError(f"bias must be [V={vocab}], got {tuple(bias.shape)}")
-        if bias.dtype != input.dtype and compute_dtype is None:
-            raise TypeError(f"bias dtype {bias.dtype} must equal input dtype {input.dtype}")
-    if class_weight is not None:
-        if not isinstance(class_weight, torch.Tensor) or class_weight.shape != (vocab,):
-            shape = tuple(class_weight.shape) if isinstance(class_weight, torch.Tensor) else type(class_weight).__name__
-            raise ValueError(f"class_weight must be a [V={vocab}] tensor, got {shape}")
-        if not class_weight.dtype.is_floating_point:
-            raise TypeError(f"class_weight must be floating point, got {class_weight.dtype}")
-        class_weight = class_weight.to(torch.float32).contiguous()
-    tensors = {"weight": weight, "target": target, "bias": bias, "class_weight": class_weight}
-    for name, tensor in tensors.items():
-        if tensor is not None and tensor.device != input.device:
-            raise ValueError(f"{name} is on {tensor.device} but input is on {input.device}")
-    _check_runnable_device(input.device)
-
-    x = input.reshape(target.numel(), hidden)  # not -1: with H=0 that size is ambiguous
-    if not x.is_contiguous():
-        x = x.contiguous()
-    target_flat = target.reshape(-1).to(torch.int64)
-    if not target_flat.is_contiguous():
-        target_flat = target_flat.contiguous()
-    return x, target_flat, class_weight
-
-
 def _one_zero_column(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [BT, 0]`` and ``weight [V, 0]`` with one zero column each: the same logits (zeros, plus the bias),
     so the kernels run an H=0 call as torch does (``mean`` is log V without a bias); autograd slices the
     gradients back to H=0. Only for that degenerate size: no copy on any other call."""
     return torch.nn.functional.pad(x, (0, 1)), torch.nn.functional.pad(weight, (0, 1))
-
-
-def _bias_type_message(bias: object) -> str:
-    message = f"bias must be a torch.Tensor [V] or None, got {type(bias).__name__}"
-    if isinstance(bias, (FLCEPolicy, Geometry, ChunkStrategy)):
-        # the fourth positional argument is bias; a policy given there was meant for the keyword
-        message += f": pass a {type(bias).__name__} by keyword, as policy=..."
-    return message
-
-
-def _check_runnable_device(device: torch.device) -> None:
-    from flce_policy.kernels import KERNELS_INTERPRETED, interpreter_requested
-
-    if device.type == "cuda" and not KERNELS_INTERPRETED:
-        return
-    if device.type == "cpu" and KERNELS_INTERPRETED:
-        return
-    # Triton decides interpreter or GPU compiler when a kernel is defined: flce_policy's first were at its import.
-    if device.type == "cpu" and interpreter_requested():
-        raise RuntimeError(
-            "fused_linear_cross_entropy: TRITON_INTERPRET=1 was set after flce_policy was imported, so its Triton "
-            "kernels were built for a GPU; set TRITON_INTERPRET=1 before importing flce_policy (first thing in the "
-            "script, or in the shell) to run CPU tensors under Triton's interpreter"
-        )
-    if device.type == "cpu":
-        raise RuntimeError(
-            "fused_linear_cross_entropy runs Triton kernels: CPU tensors need TRITON_INTERPRET=1 set before "
-            "flce_policy is imported (the Triton interpreter; slow, meant for tests)"
-        )
-    if device.type == "cuda":
-        raise RuntimeError(
-            "TRITON_INTERPRET=1 was set when flce_policy was imported, so its kernels run under Triton's CPU "
-            "interpreter; CUDA tensors need it unset before importing flce_policy"
-        )
-    raise RuntimeError(f"unsupported device {device}: flce_policy needs a CUDA GPU (or CPU under TRITON_INTERPRET=1)")

@@ -52,10 +52,10 @@ import torch
 
 from flce_policy.call.autograd import autocast_off, forward_pass, grad_request, recompute_grads
 from flce_policy.call.options import LossOptions
+from flce_policy.call.resolve import call_problem, geometry_for
 from flce_policy.call.targets import TargetCheck, poisoned_targets
 from flce_policy.engine.policy_keys import DEFAULT_POLICY_KEY, live_policy, policy_key
 from flce_policy.kernels.driver import GradRequest
-from flce_policy.loss import _geometry_for, _problem
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.oom import DEFAULT_OOM_FALLBACK
 from flce_policy.plan.problem import Problem
@@ -163,9 +163,9 @@ def _geometry_now(
     if x.shape[0] == 0:
         return None, None
     if rows:  # a Geometry was given: rebuilt for the actual problem (the wrapper checked it matches)
-        problem = _problem(x.shape[0], x.shape[1], weight.shape[0], logits_dtype, 1)
+        problem = call_problem(x.shape[0], x.shape[1], weight.shape[0], logits_dtype, 1)
         return _given_geometry(problem, rows, vocab_chunk, accum), DEFAULT_OOM_FALLBACK
-    return _geometry_for(live_policy(key), x, weight, logits_dtype)
+    return geometry_for(live_policy(key), x, weight, logits_dtype)
 
 
 @functools.lru_cache(maxsize=256)

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from flce_policy.call.options import LossOptions
+from flce_policy.call.resolve import check_tensors, geometry_for
 from flce_policy.call.targets import TargetCheck
 from flce_policy.distributed.sharded import is_dtensor
 from flce_policy.plan.geometry import Geometry
@@ -72,17 +73,16 @@ def prepare_vocab_parallel(
     """Check and agree a vocab-parallel call over ``group`` (see the module docstring); collective."""
     # Imported here: the kernels pick interpreter or compiler at import (TRITON_INTERPRET), as loss.py defers them.
     from flce_policy.kernels.vocab_shard import VocabShard
-    from flce_policy.loss import _check_tensors, _geometry_for
 
     if grad_input not in _GRAD_INPUT_MODES:
         raise ValueError(f"tp_grad_input must be 'full' or 'partial', got {grad_input!r}")
     input, weight, bias, class_weight, group = _local_tensors(input, weight, bias, class_weight, group)
     rank, world = _rank_in(group)
-    x, target_flat, class_weight = _check_tensors(input, weight, target, bias, class_weight, compute_dtype)
+    x, target_flat, class_weight = check_tensors(input, weight, target, bias, class_weight, compute_dtype)
     if weight.shape[0] == 0:
         raise ValueError(f"rank {rank} of tp_group holds an empty vocab shard (weight {tuple(weight.shape)})")
     dtype = compute_dtype or x.dtype
-    geometry = _geometry_for(policy, x, weight, dtype, tp_size=world)[0] if x.shape[0] else None
+    geometry = geometry_for(policy, x, weight, dtype, tp_size=world)[0] if x.shape[0] else None
     needs_input_grad = torch.is_grad_enabled() and input.requires_grad
     fields = _call_fields(x, target_flat, bias, class_weight, options, dtype, grad_input, needs_input_grad)
     sizes, chunk_sizes = _agree(fields, weight.shape[0], geometry, group, world, x.device)
