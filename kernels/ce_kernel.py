@@ -28,13 +28,14 @@ Per row, matching ``torch.nn.functional.cross_entropy``::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from . import KERNELS_INTERPRETED  # re-exported: where the tests have always imported it from
+from .interpreter import KERNELS_INTERPRETED  # re-exported: where the tests have always imported it from
+from .row_partials import CEWorkspace
 
 if TYPE_CHECKING:
     from .vocab_shard import VocabShard
@@ -50,17 +51,6 @@ TARGET_PROGRAMS = 8192
 #: Warps per program for blocks of >= 2048 elements (4 below).
 WIDE_BLOCK_WARPS = 8
 _PARTIALS = 6  # m, d, sum_wz, sum_w, best, z_y (planes 0-5); plane 6, sum(exp(z - m) * z), with entropy=True
-
-
-class CEWorkspace(NamedTuple):
-    """Per-call scratch for the row partials, allocated once for the largest chunk."""
-
-    block_v: int
-    segments_per_tile: int
-    segment_len: int  # columns per segment, a multiple of block_v
-    slots: int  # partial slots per row: segments_per_tile padded to a power of two (tiles merge into them)
-    partials: torch.Tensor  # [_PARTIALS (+1 with entropy), rows, slots] fp32; z_y at slot 0 only
-    best_index: torch.Tensor  # [rows, slots] int32
 
 
 def ce_workspace(rows: int, tile_cols: int, device: torch.device, *, entropy: bool = False) -> CEWorkspace:

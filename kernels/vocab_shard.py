@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .ce_kernel import CEWorkspace
+from .row_partials import CEWorkspace
 
 __all__ = ["VocabShard"]
 

@@ -1,0 +1,24 @@
+"""The CE kernels' per-row partials: what the partial pass fills, a vocab shard merges across ranks
+(:mod:`flce_policy.kernels.vocab_shard`) and the finish pass reads (:mod:`flce_policy.kernels.ce_kernel`).
+
+Its own module, below both, so that the kernel and the shard need not import each other.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["CEWorkspace"]
+
+
+class CEWorkspace(NamedTuple):
+    """Per-call scratch for the row partials, allocated once for the largest chunk."""
+
+    block_v: int
+    segments_per_tile: int
+    segment_len: int  # columns per segment, a multiple of block_v
+    slots: int  # partial slots per row: segments_per_tile padded to a power of two (tiles merge into them)
+    partials: torch.Tensor  # [planes (ce_kernel._PARTIALS, +1 with entropy), rows, slots] fp32; z_y at slot 0 only
+    best_index: torch.Tensor  # [rows, slots] int32
