@@ -11,26 +11,20 @@ read-modify-write. Four GEMMs instead of three (plus the few late tiles computed
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from flce_policy.plan.accumulator import accumulator_layout
 
 from .ce_kernel import ce_finish, ce_partial, ce_workspace
+from .driver_call import ChunkEvent, DriverCall, DriverOutputs, _fault_hooks, _observers, before_chunk, notify
 from .gemm import accumulate_mm
 from .input_accumulator import InputAccumulator
-
-if TYPE_CHECKING:
-    from .driver import DriverCall, DriverOutputs
 
 __all__ = ["run_vocab_tiled"]
 
 
 def run_vocab_tiled(call: DriverCall, outputs: DriverOutputs) -> None:
     """Fill ``outputs`` (the driver's buffers) for a vocab-tiled ``geometry``; see the module docstring."""
-    from .driver import ChunkEvent, _fault_hooks, _observers, before_chunk, notify
-
     x, _, _, target, geometry, _, grads, _, grad_scale, scale_per_row = call
     run = _TiledRun(call, outputs)
     chunk_size, tokens = geometry.chunk_size, x.shape[0]
