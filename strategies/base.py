@@ -158,3 +158,15 @@ def _frozen(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return tuple(_frozen(v) for v in value)
     return value
+
+
+#: The built-in strategies by YAML name. Each built-in module registers its class here with
+#: :func:`builtin_strategy` as it is imported (``flce_policy.strategies`` imports them all), so the registry
+#: finds them without importing them, and a built-in may use the registry (``free_memory``'s ``cap``).
+BUILTIN_STRATEGIES: dict[str, type[ChunkStrategy]] = {}
+
+
+def builtin_strategy(cls: type[ChunkStrategy]) -> type[ChunkStrategy]:
+    """Class decorator: register a built-in strategy under its ``name``."""
+    BUILTIN_STRATEGIES[cls.name] = cls  # type: ignore[index]
+    return cls

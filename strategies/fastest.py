@@ -12,7 +12,7 @@ from flce_policy.plan.memory import predict_peak
 from flce_policy.plan.problem import Problem
 from flce_policy.plan.units import parse_bytes
 
-from .base import ChunkStrategy, StrategyError
+from .base import ChunkStrategy, StrategyError, builtin_strategy
 
 __all__ = ["Fastest"]
 
@@ -20,6 +20,7 @@ _MIN_VOCAB_CHUNK = 1024  # narrower tiles give the GEMMs too little N to run at 
 _ACCUMS = {"bf16": None, "fp32": "float32"}
 
 
+@builtin_strategy
 class Fastest(ChunkStrategy):
     """Lowest predicted time (:mod:`flce_policy.plan.cost_model`) among geometries within the memory limits.
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 from flce_policy.plan.device import DeviceInfo
 from flce_policy.plan.problem import Problem
 
-from .base import ChunkStrategy, StrategyError
+from .base import ChunkStrategy, StrategyError, builtin_strategy
 
 __all__ = ["FixedChunkSize"]
 
 
+@builtin_strategy
 class FixedChunkSize(ChunkStrategy):
     """Always ``chunk_size`` rows, floored to a power of two and clamped to BT (100 -> 64)."""
 

@@ -15,7 +15,8 @@ from flce_policy.plan.memory import held_beside_slab
 from flce_policy.plan.problem import Problem, checked_dtype
 from flce_policy.plan.units import format_bytes, parse_bytes
 
-from .base import ChunkStrategy, StrategyError, checked_geometry
+from . import registry
+from .base import ChunkStrategy, StrategyError, builtin_strategy, checked_geometry
 
 __all__ = ["FreeMemory", "NotEnoughFreeMemoryError"]
 
@@ -31,6 +32,7 @@ class NotEnoughFreeMemoryError(StrategyError, torch.cuda.OutOfMemoryError):
     """
 
 
+@builtin_strategy
 class FreeMemory(ChunkStrategy):
     """The slab sized at call time from live memory: ``fraction`` of what ``reserve`` and the call's buffers leave.
 
@@ -104,10 +106,8 @@ class FreeMemory(ChunkStrategy):
             )
         built = self.__dict__.get("_built_cap")
         if built is None or built[0] != cap:
-            from .registry import strategy_from_config  # the registry imports this module
-
             try:
-                built = (copy.deepcopy(cap), strategy_from_config(cap))
+                built = (copy.deepcopy(cap), registry.strategy_from_config(cap))
             except StrategyError as err:
                 raise _nested(err, cap.get("strategy")) from None
             self._built_cap = built

@@ -6,11 +6,12 @@ from flce_policy.plan.device import DeviceInfo
 from flce_policy.plan.problem import Problem
 from flce_policy.plan.units import cdiv, next_pow2
 
-from .base import ChunkStrategy, StrategyError
+from .base import ChunkStrategy, StrategyError, builtin_strategy
 
 __all__ = ["HeuristicC"]
 
 
+@builtin_strategy
 class HeuristicC(ChunkStrategy):
     """``inc_factor = cdiv(V, c*H); chunk = next_pow2(cdiv(BT, inc_factor))``, clamped to BT.
 

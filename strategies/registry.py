@@ -1,4 +1,8 @@
-"""Strategy lookup by short name (built-ins) or import path (``mypkg.rules:MyStrategy``)."""
+"""Strategy lookup by short name (built-ins) or import path (``mypkg.rules:MyStrategy``).
+
+The built-ins register themselves in :data:`~flce_policy.strategies.base.BUILTIN_STRATEGIES` as they are
+imported: this module imports none of them, so one may use it (``free_memory`` builds its ``cap`` here).
+"""
 
 from __future__ import annotations
 
@@ -9,22 +13,12 @@ import traceback
 from collections.abc import Mapping
 from typing import Any
 
-from .base import ChunkStrategy, StrategyError
-from .fastest import Fastest
-from .fixed_chunk_size import FixedChunkSize
-from .free_memory import FreeMemory
-from .heuristic_c import HeuristicC
-from .slab_budget import SlabBudget
+from .base import BUILTIN_STRATEGIES, ChunkStrategy, StrategyError
 
 __all__ = ["BUILTIN_STRATEGIES", "strategy_class", "strategy_from_config"]
 
 # A module or attribute path as Python spells one: identifiers joined by single dots.
 _DOTTED_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
-
-BUILTIN_STRATEGIES: dict[str, type[ChunkStrategy]] = {
-    cls.name: cls
-    for cls in (HeuristicC, FixedChunkSize, SlabBudget, FreeMemory, Fastest)  # type: ignore[misc]
-}
 
 
 def strategy_class(name: str) -> type[ChunkStrategy]:

@@ -6,11 +6,12 @@ from flce_policy.plan.device import DeviceInfo
 from flce_policy.plan.problem import Problem
 from flce_policy.plan.units import format_bytes, parse_bytes
 
-from .base import ChunkStrategy, StrategyError
+from .base import ChunkStrategy, StrategyError, builtin_strategy
 
 __all__ = ["SlabBudget"]
 
 
+@builtin_strategy
 class SlabBudget(ChunkStrategy):
     """Largest power-of-two chunk with ``chunk_size * V * itemsize <= max_slab``.
 
