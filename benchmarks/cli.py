@@ -82,7 +82,7 @@ def build_parser(prog: str) -> Parser:
     )
     # No defaults here: --from-json refuses these when given, and the metadata fills them in.
     add_measurement_options(parser, with_defaults=False)
-    parser.add_argument("--out", metavar="DIR", help="output folder (default benchmarks/results/<date>-<gpu>)")
+    parser.add_argument("--out", metavar="DIR", help="output folder (default results/<date>-<gpu>)")
     parser.add_argument("--json", action="store_true", help="print the JSON document on stdout instead of the table")
     parser.add_argument(
         "--from-json",
@@ -181,7 +181,7 @@ def _measure(args: argparse.Namespace) -> int:
     shapes = list(args.shapes or DEFAULT_SHAPES)
     device = probe_device()
     metadata = _metadata(device, policy, shapes, methods, args)
-    out = Path(args.out) if args.out else Path("benchmarks", "results", _run_name(device))
+    out = Path(args.out) if args.out else Path("results", _run_name(device))
     out.mkdir(parents=True, exist_ok=True)
 
     done: list[Record] = []

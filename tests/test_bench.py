@@ -246,7 +246,7 @@ def test_plot_survives_a_shape_with_nothing_measured(tmp_path):
     assert (tmp_path / "p.png").read_bytes()[:8] == PNG_MAGIC
 
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def _committed_run(name: str, shape: tuple[int, int, int] | None = None):

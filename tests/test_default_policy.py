@@ -2,7 +2,7 @@
 
 Derived entries: max_slab = max(128 MiB, largest power of two <= 3% of (total - 64 GiB)), with
 the total memory of the family's common part (DeviceInfo.synthetic). H200's entry is measured
-(benchmarks/results) and must agree with the rule as well.
+(results/) and must agree with the rule as well.
 """
 
 from __future__ import annotations

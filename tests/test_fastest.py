@@ -1,4 +1,4 @@
-"""The cost model against the H200 measurements committed in benchmarks/results, and the Fastest strategy.
+"""The cost model against the H200 measurements committed in results/, and the Fastest strategy.
 
 The measured file is the one the benchmark wrote on the H200; the model is never fitted to it in
 the test (its rates are the module's constants), so a model change that stops describing the
@@ -16,7 +16,7 @@ from flce_policy import DeviceInfo, Geometry, Problem
 from flce_policy.plan.cost_model import RATES, DeviceRates, predict_seconds
 from flce_policy.strategies import Fastest, StrategyError, strategy_from_config
 
-MEASURED = Path(__file__).resolve().parents[1] / "benchmarks/results/2026-11-29-h200-vocab-tiled/bench.json"
+MEASURED = Path(__file__).resolve().parents[1] / "results/2026-11-29-h200-vocab-tiled/bench.json"
 H200 = DeviceInfo.synthetic("H200")
 GIB, MIB = 2**30, 2**20
 

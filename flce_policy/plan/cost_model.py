@@ -1,6 +1,6 @@
 """Predicted fwd+bwd time of a geometry from GEMM FLOPs and HBM bytes against a device's rates.
 
-Terms (seconds), each traced to measurements on the H200 (benchmarks/notes/README.md):
+Terms (seconds), each traced to measurements on the H200 (results/notes/README.md):
 
 - GEMMs: 3 (row-only) or 4 (vocab-tiled: logits twice) x ``2*BT*H*V`` FLOPs at ``matmul_flops``,
   the rate the three-GEMM floor itself reaches on large shapes;
@@ -18,7 +18,7 @@ Terms (seconds), each traced to measurements on the H200 (benchmarks/notes/READM
   ASSUMED (NVLink-class all-reduce bus bandwidth and small-message latency), not yet measured.
 At 8192x5376x262144 this predicts 140 / 106 / 102 ms for 256 / 2048 / 8192-row chunks and
 137 ms for 8192-column vocab tiles, against 146 / 107 / 104 and 143 ms measured on the H200
-(benchmarks/results/2026-11-29-h200-vocab-tiled); tests/test_fastest.py holds every measured row
+(results/2026-11-29-h200-vocab-tiled); tests/test_fastest.py holds every measured row
 of that run within 12%.
 """
 
@@ -56,7 +56,7 @@ class DeviceRates(NamedTuple):
 
 
 #: H200: CALIBRATED by :func:`fit_rates` on the fixed-chunk rows and floors of
-#: benchmarks/results/2026-11-29-h200-vocab-tiled (``flce-policy tune`` does the same on any GPU).
+#: results/2026-11-29-h200-vocab-tiled (``flce-policy tune`` does the same on any GPU).
 #: The rest are DERIVED from the H200 by datasheet ratios (dense bf16 TFLOP/s, HBM TB/s against
 #: the H200's 989 and 4.8); override per policy (Fastest ``rates``) or calibrate with ``tune``.
 _H200_FLOPS, _H200_BYTES = 7.03e14, 4.57e12
