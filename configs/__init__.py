@@ -1,1 +1,1 @@
-"""Packaged per-GPU default policies (YAML), read through importlib.resources."""
+"""Packaged per-GPU default policies (YAML), read through importlib.resources. No code: imports nothing."""

@@ -1,4 +1,9 @@
-"""flce-policy: GPU-aware chunk policies for a fused linear cross-entropy Triton kernel."""
+"""flce-policy: GPU-aware chunk policies for a fused linear cross-entropy Triton kernel.
+
+The public surface: the names below, re-exported from the front door (:mod:`flce_policy.loss`), the engine
+and the plan. The rooms, from the bottom up: ``plan`` -> ``strategies`` -> ``engine`` -> ``call`` (with
+``kernels``) -> ``distributed`` -> ``loss``, then ``integrations`` and ``cli`` (docs/layout.md).
+"""
 
 from flce_policy.engine.policy import DeviceRule, FLCEPolicy
 from flce_policy.engine.probe import probe_device

@@ -12,7 +12,6 @@ import torch
 from flce_policy.plan.geometry import Geometry
 
 from .ce_kernel import ce_rows, ce_workspace
-# The call and event types and test hooks live below both drivers (driver_call); re-exported as the driver's API.
 from .driver_call import (
     CEParams,
     ChunkEvent,
@@ -29,6 +28,7 @@ from .driver_call import (
 from .gemm import accumulate_mm
 from .vocab_tiled import run_vocab_tiled
 
+# The call and event types and the test hooks live below both drivers (driver_call); re-exported as the driver's API.
 __all__ = [
     "CEParams",
     "GradRequest",

@@ -1,4 +1,8 @@
-"""Pluggable chunk strategies: each decides the row chunk size for a (problem, device)."""
+"""Pluggable chunk strategies: each decides the row chunk size for a (problem, device).
+
+May import: :mod:`flce_policy.plan` (the terms they reason in and the models that price a geometry); never
+the engine that asks them, the kernels or anything above.
+"""
 
 from .base import ChunkStrategy, StrategyError, checked_geometry
 from .fastest import Fastest
