@@ -140,6 +140,14 @@ def test_no_import_circles():
     assert cycle is None, "import circle: " + " -> ".join(cycle or [])
 
 
+def test_every_package_folder_is_installed():
+    """A subpackage left out of pyproject's packages would be missing from the wheel (and from this graph)."""
+    listed = {folder.resolve() for folder in package_dirs().values()}
+    for folder in listed:
+        for init in folder.rglob("__init__.py"):
+            assert init.parent.resolve() in listed, f"{init.parent} is a package not listed in pyproject.toml"
+
+
 def test_few_modules_at_the_top_level():
     top = sorted(path.name for path in (REPO / "flce_policy").glob("*.py"))
     assert len(top) <= MAX_TOP_LEVEL_MODULES, f"{len(top)} modules at flce_policy/'s top level: {top}"

@@ -53,9 +53,13 @@ def test_wheel_installs_and_imports_outside_the_repo(tmp_path):
         "flce_policy/strategies/__init__.py",
         "flce_policy/kernels/driver.py",
         "flce_policy/configs/default.yaml",
+        "flce_policy/plan/geometry.py",
+        "flce_policy/call/resolve.py",
+        "flce_policy/cli/tune.py",
     ):
         assert expected in names
-    assert not any(name.startswith(("strategies/", "kernels/", "configs/")) for name in names)
+    assert not any(name.startswith(("strategies/", "kernels/", "configs/", "results/")) for name in names)
+    assert not any(name.endswith((".log", ".jsonl", ".py.txt")) for name in names)  # run logs stay out of the package
 
     install = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
