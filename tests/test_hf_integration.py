@@ -313,6 +313,30 @@ def test_generic_family_and_clear_refusals():
         apply_flce(ref, label_smoothing=2.0)
 
 
+@pytest.mark.parametrize("adapter", ["lora_on_head", "modules_to_save"])
+def test_an_adapter_on_the_head_is_refused_not_left_out(adapter):
+    """PEFT's LoRA on lm_head, or a modules_to_save copy of it, changes what the head computes: the fused
+    loss, which reads the head's base weight, would leave the adapter out. The model's own loss differs from
+    one computed without the adapter, so a silent run would be a wrong loss: it is refused by name."""
+    peft = pytest.importorskip("peft")
+    model, _ = model_pair("llama", seed=9)
+    if adapter == "lora_on_head":
+        lora = peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"], init_lora_weights=False)
+    else:
+        lora = peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"], init_lora_weights=False)
+    adapted = peft.get_peft_model(model, lora)
+    if adapter == "modules_to_save":
+        with torch.no_grad():
+            adapted.get_base_model().lm_head.modules_to_save["default"].weight.mul_(1.5)
+    ids, labels = batch(8)
+    with_adapter = adapted(input_ids=ids, labels=labels).loss
+    with adapted.disable_adapter():
+        without_adapter = adapted(input_ids=ids, labels=labels).loss
+    assert abs(with_adapter.item() - without_adapter.item()) > 1e-3  # the adapter on the head matters
+    with pytest.raises(TypeError, match=r"lm_head is wrapped by an adapter"):
+        apply_flce(adapted)
+
+
 class _GainLlama(transformers.LlamaForCausalLM):
     """A family the table does not know, multiplying its logits by a config value no list names."""
 

@@ -257,6 +257,13 @@ def _output_embeddings(base: nn.Module) -> nn.Module:
     # own call, under its own hooks, should gather it. A partitioned weight's shape is its ds_shape.
     weight = dict.get(params, "weight") if isinstance(params, dict) else getattr(head, "weight", None)
     shape = getattr(weight, "ds_shape", None) or getattr(weight, "shape", ())
+    if hasattr(head, "base_layer") or hasattr(head, "modules_to_save"):
+        # PEFT's LoRA layer or modules_to_save copy: the head's output is not its base weight's alone
+        raise TypeError(
+            f"{type(base).__name__}'s lm_head is wrapped by an adapter ({type(head).__name__}: PEFT's LoRA or "
+            "modules_to_save on lm_head); apply_flce computes the loss from a plain [V, H] head weight and would "
+            "leave the adapter out: keep lm_head out of target_modules and modules_to_save"
+        )
     if head is None or not isinstance(weight, torch.Tensor) or len(shape) != 2:
         raise TypeError(
             f"{type(base).__name__}.get_output_embeddings() returned {type(head).__name__}, not a linear LM head "
