@@ -1,0 +1,165 @@
+"""Train a small Llama through ``apply_flce`` on a token stream, and read its held-out head inputs.
+
+The model is made from a config (no download), its weights drawn on the CPU from the seed so every
+machine starts from the same ones, then moved to the device. Sequences are cut from the stream
+end to end and visited in an order drawn from the seed, epoch after epoch: two runs with one
+config see the same batches in the same order. ``loss_options`` go to ``apply_flce`` (and through
+it to every loss call), so a second run with an option switched on (a filter) differs from the
+first by that option alone.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .trained_config import TrainedConfig
+
+__all__ = ["TrainResult", "build_model", "sequences", "batches", "train", "held_out_head_inputs"]
+
+
+@dataclass
+class TrainResult:
+    model: torch.nn.Module
+    losses: list[float]  # the training loss of each step, in nats
+    seconds: float  # wall time of the steps (device synchronised)
+
+
+def build_model(config: TrainedConfig) -> torch.nn.Module:
+    """A LlamaForCausalLM with untied head, fp32 weights on the CPU, initialised from ``config.seed``."""
+    import transformers
+
+    llama = transformers.LlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_heads,
+        max_position_embeddings=config.seq_len,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(config.seed)
+    return transformers.LlamaForCausalLM(llama)
+
+
+def sequences(stream: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The stream cut into [N, seq_len] non-overlapping sequences (the tail shorter than one dropped)."""
+    count = stream.numel() // seq_len
+    if count == 0:
+        raise ValueError(f"a stream of {stream.numel()} tokens holds no sequence of {seq_len}")
+    return stream[: count * seq_len].view(count, seq_len)
+
+
+def batches(seqs: torch.Tensor, batch_size: int, seed: int) -> Iterator[torch.Tensor]:
+    """[batch_size, seq_len] batches forever: each epoch a permutation drawn from (seed, epoch)."""
+    if seqs.shape[0] < batch_size:
+        raise ValueError(f"{seqs.shape[0]} training sequences are fewer than one batch of {batch_size}")
+    epoch = 0
+    while True:
+        order = torch.randperm(seqs.shape[0], generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+        for start in range(0, seqs.shape[0] - batch_size + 1, batch_size):
+            yield seqs[order[start : start + batch_size]]
+        epoch += 1
+
+
+def _schedule(config: TrainedConfig) -> Callable[[int], float]:
+    """Linear warmup to the peak rate, then cosine decay to a tenth of it at the last step."""
+
+    def factor(step: int) -> float:
+        if step < config.warmup_steps:
+            return (step + 1) / config.warmup_steps
+        progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def _autocast(config: TrainedConfig, device: torch.device):
+    enabled = config.autocast_bf16 and device.type == "cuda"
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train(
+    config: TrainedConfig,
+    train_stream: torch.Tensor,
+    *,
+    device: torch.device,
+    policy: Any = None,
+    loss_options: dict[str, Any] | None = None,
+    on_step: Callable[[int, float], None] | None = None,
+) -> TrainResult:
+    """``config.steps`` AdamW steps through ``apply_flce(model, policy, **loss_options)``.
+
+    ``on_step(step, loss)`` is called every step with the loss as a float (a host sync per step).
+    """
+    from flce_policy.integrations.transformers import apply_flce
+
+    model = apply_flce(build_model(config).to(device).train(), policy, **(loss_options or {}))
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=config.lr,
+        betas=(0.9, 0.95),
+        weight_decay=config.weight_decay,
+        fused=device.type == "cuda",
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config))
+    data = batches(sequences(train_stream, config.seq_len), config.batch_size, config.seed)
+    losses: list[torch.Tensor] = []
+    _sync(device)
+    start = time.perf_counter()
+    for step in range(config.steps):
+        ids = next(data).to(device, non_blocking=True)
+        with _autocast(config, device):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach().float())
+        if on_step is not None:
+            on_step(step, losses[-1].item())
+    _sync(device)
+    seconds = time.perf_counter() - start
+    return TrainResult(model, torch.stack(losses).cpu().tolist(), seconds)
+
+
+@torch.no_grad()
+def held_out_head_inputs(
+    model: torch.nn.Module, config: TrainedConfig, stream: torch.Tensor, *, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden states [T, H] bf16, targets [T] int64) of ``config.held_out_tokens`` held-out positions.
+
+    The hidden states are what ``lm_head`` reads (the body's output, after its final norm), under
+    the autocast training ran with; each position's target is the next token of its sequence.
+    """
+    seqs = sequences(stream, config.seq_len)
+    per_seq = config.seq_len - 1
+    need = -(-config.held_out_tokens // per_seq)
+    if seqs.shape[0] < need:
+        raise ValueError(
+            f"the held-out text gives {seqs.shape[0] * per_seq} positions, fewer than held_out_tokens "
+            f"{config.held_out_tokens}; raise held_out_bytes"
+        )
+    model.eval()
+    hidden, targets = [], []
+    for start in range(0, need, config.batch_size):
+        ids = seqs[start : min(need, start + config.batch_size)].to(device)
+        with _autocast(config, device):
+            states = model.model(input_ids=ids).last_hidden_state
+        hidden.append(states[:, :-1].reshape(-1, states.shape[-1]).to(torch.bfloat16))
+        targets.append(ids[:, 1:].reshape(-1))
+    model.train()
+    tokens = config.held_out_tokens
+    return torch.cat(hidden)[:tokens].contiguous(), torch.cat(targets)[:tokens].contiguous()
