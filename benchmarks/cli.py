@@ -24,7 +24,9 @@ DEFAULT_LOGIT_STD = 4.0
 DEFAULT_REPEATS = 5
 DEFAULT_WARMUP = 2
 MIN_REPEATS = 5  # a median of fewer is too noisy to hold a 1.08x target to
-_GPU_ONLY = ("shapes", "methods", "logit_std", "repeats", "warmup")
+_GPU_ONLY = ("shapes", "methods", "logit_std", "repeats", "warmup", "inputs")
+#: --inputs values besides a cache file's path; "random" is the default
+RANDOM_INPUTS, TRAINED_INPUTS = "random", "trained"
 
 
 class UsageError(Exception):
@@ -79,6 +81,13 @@ def build_parser(prog: str) -> Parser:
         nargs="+",
         metavar="PATTERN",
         help="fnmatch patterns on method names, e.g. 'ours_*' liger_c1_bf16 (default: all; gemm_floor always runs)",
+    )
+    parser.add_argument(
+        "--inputs",
+        metavar="KIND",
+        help="random (default: x @ W.T of std --logit-std at each shape), trained (the held-out head inputs of a "
+        "small Llama trained through apply_flce, built into the cache on first use; see python -m "
+        "flce_policy.benchmarks.trained_inputs), or the path of a trained-inputs cache file (.pt)",
     )
     # No defaults here: --from-json refuses these when given, and the metadata fills them in.
     add_measurement_options(parser, with_defaults=False)
@@ -154,6 +163,17 @@ def run(args: argparse.Namespace) -> int:
         if given:
             raise UsageError(f"--from-json re-renders a saved run; {', '.join(given)} only apply to a new run")
         return _rerender(Path(args.from_json), args)
+    if args.inputs not in (None, RANDOM_INPUTS):
+        if args.inputs != TRAINED_INPUTS and not Path(args.inputs).is_file():
+            raise UsageError(
+                f"--inputs is {RANDOM_INPUTS}, {TRAINED_INPUTS} or a trained-inputs cache file; got {args.inputs!r}"
+            )
+        given = [f"--{name.replace('_', '-')}" for name in ("shapes", "logit_std") if getattr(args, name) is not None]
+        if given:
+            raise UsageError(
+                f"--inputs {args.inputs} comes with its own shape and logits (the trained model's cache); "
+                f"{', '.join(given)} only apply to --inputs random"
+            )
     return _measure(args)
 
 
@@ -178,9 +198,15 @@ def _measure(args: argparse.Namespace) -> int:
         methods = select_methods(default_methods(policy=policy), args.methods)
     except ValueError as err:  # --methods matching nothing
         raise UsageError(str(err)) from None
-    shapes = list(args.shapes or DEFAULT_SHAPES)
+    trained, inputs_label = _trained_inputs(args.inputs)
+    shapes = [trained.shape] if trained is not None else list(args.shapes or DEFAULT_SHAPES)
     device = probe_device()
     metadata = _metadata(device, policy, shapes, methods, args)
+    metadata["inputs"] = inputs_label
+    if trained is not None:
+        metadata["logit_std"] = None  # the trained model's logits, not a chosen spread
+    # only given for trained inputs, so run_suite's default (random inputs per shape) stays as it was
+    inputs_option = {} if trained is None else {"inputs_for": lambda _shape: trained}
     out = Path(args.out) if args.out else Path("results", _run_name(device))
     out.mkdir(parents=True, exist_ok=True)
 
@@ -205,6 +231,7 @@ def _measure(args: argparse.Namespace) -> int:
             vocab_chunk=lambda method, shape: planned_vocab_chunk(method, shape, device),
             on_start=progress.started,
             on_record=on_record,
+            **inputs_option,
         )
     metadata["complete"] = True
     write_json(out / JSON_NAME, records, metadata)
@@ -220,6 +247,22 @@ def _measure(args: argparse.Namespace) -> int:
     _show(records, metadata, as_json=args.json)
     print("wrote " + ", ".join(str(p) for p in written), file=sys.stderr)
     return 0
+
+
+def _trained_inputs(spec: str | None) -> tuple[Any, str]:
+    """(Inputs, label) of --inputs: (None, "random") for random inputs; a trained build's otherwise."""
+    if spec in (None, RANDOM_INPUTS):
+        return None, RANDOM_INPUTS
+    import torch
+
+    from .trained_config import TrainedConfig
+    from .trained_inputs import load_or_build, trained_inputs
+
+    if spec == TRAINED_INPUTS:
+        data = load_or_build(TrainedConfig())
+    else:  # a cache file's path (run() checked it exists)
+        data = torch.load(spec, map_location="cpu", weights_only=True)
+    return trained_inputs(data, "cuda"), f"{TRAINED_INPUTS} {data['key']}"
 
 
 def _rerender(path: Path, args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .measure import measure
-from .methods import Method, Unavailable, make_inputs
+from .methods import Inputs, Method, Unavailable, make_inputs
 
 __all__ = ["Record", "run_suite", "DEFAULT_SHAPES", "parse_shape", "format_shape", "with_floor_ratios"]
 
@@ -102,16 +102,18 @@ def run_suite(
     vocab_chunk: Callable[[Method, Shape], int | None] | None = None,
     on_start: Callable[[Shape, Method], None] | None = None,
     on_record: Callable[[Record], None] | None = None,
+    inputs_for: Callable[[Shape], Inputs] | None = None,
 ) -> list[Record]:
     """Measure every method at every shape; a method that cannot run gets a record saying why.
 
     ``predict_peak(method, shape)`` returns (chunk_size, predicted peak bytes) for our rows;
     ``predict_time(method, shape)`` the cost model's fwd+bwd milliseconds; ``vocab_chunk(method,
-    shape)`` the vocab tile of the geometry our rows run.
+    shape)`` the vocab tile of the geometry our rows run. ``inputs_for(shape)`` gives the inputs of
+    a shape (e.g. a trained model's, whose shape is fixed); by default random ones at ``logit_std``.
     """
     records: list[Record] = []
     for shape in shapes:
-        inputs = make_inputs(*shape, logit_std=logit_std)
+        inputs = make_inputs(*shape, logit_std=logit_std) if inputs_for is None else inputs_for(shape)
         for method in methods:
             if on_start is not None:
                 on_start(shape, method)

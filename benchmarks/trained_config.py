@@ -26,7 +26,7 @@ class TrainedConfig(BaseModel):
     train_bytes: int = Field(60_000_000, gt=0)
     held_out_bytes: int = Field(2_000_000, gt=0)
     held_out_share: float = Field(0.05, gt=0, lt=1)  # of the files, by name hash
-    vocab_size: int = Field(131072, ge=512)
+    vocab_size: int = Field(131072, ge=258)  # 256 bytes, END_OF_TEXT and one merge
     hidden_size: int = Field(1024, gt=0)
     intermediate_size: int = Field(2816, gt=0)
     num_layers: int = Field(6, gt=0)

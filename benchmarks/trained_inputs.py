@@ -113,7 +113,7 @@ def build_cache(
         "train_seconds": result.seconds,
         "prepare_seconds": prepared,
         "device": str(device),
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),  # a plain str: weights_only loading refuses TorchVersion
     }
 
 
