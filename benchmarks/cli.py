@@ -256,10 +256,15 @@ def _trained_inputs(spec: str | None) -> tuple[Any, str]:
     import torch
 
     from .trained_config import TrainedConfig
-    from .trained_inputs import load_or_build, trained_inputs
+    from .trained_inputs import MAX_TRAIN_SECONDS, load_or_build, trained_inputs
+    from .trained_model import TrainingTooSlow
+    from .trained_tokenizer import VocabTooLarge
 
     if spec == TRAINED_INPUTS:
-        data = load_or_build(TrainedConfig())
+        try:
+            data = load_or_build(TrainedConfig(), max_train_seconds=MAX_TRAIN_SECONDS)
+        except (VocabTooLarge, TrainingTooSlow) as err:
+            raise UsageError(f"--inputs trained: {err}") from None
     else:  # a cache file's path (run() checked it exists)
         data = torch.load(spec, map_location="cpu", weights_only=True)
     return trained_inputs(data, "cuda"), f"{TRAINED_INPUTS} {data['key']}"

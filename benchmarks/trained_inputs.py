@@ -33,6 +33,7 @@ from .trained_config import TrainedConfig, cache_key
 
 __all__ = [
     "DEFAULT_CACHE_DIR",
+    "MAX_TRAIN_SECONDS",
     "build_cache",
     "cache_path",
     "load_or_build",
@@ -44,6 +45,10 @@ __all__ = [
 
 #: Where builds are kept unless told otherwise (FLCE_POLICY_CACHE moves the root).
 DEFAULT_CACHE_DIR = Path(os.environ.get("FLCE_POLICY_CACHE", Path.home() / ".cache" / "flce-policy")) / "trained-inputs"
+
+
+#: The issue's bound on training time on the H200; past it a build stops with an error.
+MAX_TRAIN_SECONDS = 240.0
 
 
 def default_device() -> torch.device:
@@ -64,8 +69,12 @@ def build_cache(
     device: torch.device | None = None,
     sources: Callable[[], list] | None = None,
     log: Callable[[str], None] = _log,
+    max_train_seconds: float | None = None,
 ) -> dict[str, Any]:
-    """Build everything a cache file holds (see the module doc); ``sources()`` lists the corpus files."""
+    """Build everything a cache file holds (see the module doc); ``sources()`` lists the corpus files.
+
+    ``max_train_seconds`` stops a training that runs longer with an error (see ``train``).
+    """
     from .trained_corpus import python_sources, split_corpus
     from .trained_model import held_out_head_inputs, train
     from .trained_tokenizer import token_stream, train_tokenizer
@@ -88,13 +97,19 @@ def build_cache(
     held_ids = token_stream(tokenizer, corpus.held_out_texts)
     log(f"tokenizer: V={config.vocab_size}, {train_ids.numel():,} train tokens, {held_ids.numel():,} held-out tokens")
     prepared = time.perf_counter() - began
-    every = max(1, config.steps // 20)
+    log(f"prepared in {prepared:.1f} s")
 
-    def on_step(step: int, loss: float) -> None:
-        if step % every == 0 or step == config.steps - 1:
-            log(f"step {step + 1}/{config.steps} loss {loss:.4f}")
+    def on_log(step: int, loss: float, seconds: float) -> None:
+        log(f"step {step + 1}/{config.steps} loss {loss:.4f} ({seconds:.1f} s)")
 
-    result = train(config, train_ids, device=device, on_step=on_step)
+    result = train(
+        config,
+        train_ids,
+        device=device,
+        log_every=max(1, config.steps // 20),
+        on_log=on_log,
+        max_seconds=max_train_seconds,
+    )
     log(f"trained {config.steps} steps in {result.seconds:.1f} s on {device}")
     hidden, target = held_out_head_inputs(result.model, config, held_ids, device=device)
     weight = result.model.get_output_embeddings().weight.detach().to(torch.bfloat16)
@@ -124,6 +139,7 @@ def load_or_build(
     device: torch.device | None = None,
     sources: Callable[[], list] | None = None,
     log: Callable[[str], None] = _log,
+    max_train_seconds: float | None = None,
 ) -> dict[str, Any]:
     """The cache file for ``config``, built and saved first when it is missing."""
     path = cache_path(config, cache_dir)
@@ -131,7 +147,7 @@ def load_or_build(
         log(f"loading {path}")
         return torch.load(path, map_location="cpu", weights_only=True)
     log(f"no cache at {path}: building it")
-    data = build_cache(config, device=device, sources=sources, log=log)
+    data = build_cache(config, device=device, sources=sources, log=log, max_train_seconds=max_train_seconds)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".pt.partial")
     torch.save(data, partial)
@@ -177,6 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
             f"--{name.replace('_', '-')}", type=int, default=None, help=f"(default {getattr(defaults, name)})"
         )
     parser.add_argument("--lr", type=float, default=None, help=f"AdamW peak rate (default {defaults.lr})")
+    parser.add_argument(
+        "--max-train-seconds",
+        type=float,
+        default=MAX_TRAIN_SECONDS,
+        help=f"stop with an error when training runs longer (default {MAX_TRAIN_SECONDS:.0f})",
+    )
     return parser
 
 
@@ -244,7 +266,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    data = load_or_build(config, args.cache_dir, device=device)
+    from .trained_model import TrainingTooSlow
+    from .trained_tokenizer import VocabTooLarge
+
+    try:
+        data = load_or_build(config, args.cache_dir, device=device, max_train_seconds=args.max_train_seconds)
+    except (VocabTooLarge, TrainingTooSlow) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     report = distribution_report(data, device)
     for path in write_reports(data, report, Path(args.out)):
         print(f"wrote {path}", file=sys.stderr)

@@ -20,7 +20,7 @@ import torch
 
 from .trained_config import TrainedConfig
 
-__all__ = ["TrainResult", "build_model", "sequences", "batches", "train", "held_out_head_inputs"]
+__all__ = ["TrainResult", "TrainingTooSlow", "build_model", "sequences", "batches", "train", "held_out_head_inputs"]
 
 
 @dataclass
@@ -90,6 +90,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class TrainingTooSlow(RuntimeError):
+    """Training passed its time limit; nothing is kept (a shorter run would be another build)."""
+
+
 def train(
     config: TrainedConfig,
     train_stream: torch.Tensor,
@@ -97,11 +101,15 @@ def train(
     device: torch.device,
     policy: Any = None,
     loss_options: dict[str, Any] | None = None,
-    on_step: Callable[[int, float], None] | None = None,
+    log_every: int = 0,
+    on_log: Callable[[int, float, float], None] | None = None,
+    max_seconds: float | None = None,
 ) -> TrainResult:
     """``config.steps`` AdamW steps through ``apply_flce(model, policy, **loss_options)``.
 
-    ``on_step(step, loss)`` is called every step with the loss as a float (a host sync per step).
+    Every ``log_every`` steps (and at the last) ``on_log(step, loss, seconds so far)`` is called
+    (a host sync); other steps never wait for the device. Past ``max_seconds`` it raises
+    :class:`TrainingTooSlow` rather than stop short, so a build is always ``config.steps`` long.
     """
     from flce_policy.integrations.transformers import apply_flce
 
@@ -128,8 +136,16 @@ def train(
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.detach().float())
-        if on_step is not None:
-            on_step(step, losses[-1].item())
+        last = step == config.steps - 1
+        if on_log is not None and (last or (log_every and step % log_every == 0)):
+            on_log(step, losses[-1].item(), time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        if max_seconds is not None and elapsed > max_seconds and not last:
+            rate = elapsed / (step + 1)
+            raise TrainingTooSlow(
+                f"training passed {max_seconds:.0f} s at step {step + 1} of {config.steps} ({rate:.3f} s a step): "
+                f"ask for fewer steps (about {int(max_seconds / rate)} fit) or a longer limit"
+            )
     _sync(device)
     seconds = time.perf_counter() - start
     return TrainResult(model, torch.stack(losses).cpu().tolist(), seconds)
@@ -152,10 +168,12 @@ def held_out_head_inputs(
             f"the held-out text gives {seqs.shape[0] * per_seq} positions, fewer than held_out_tokens "
             f"{config.held_out_tokens}; raise held_out_bytes"
         )
+    # sequences spread evenly over the held-out text, so the positions come from many files, not the first few
+    seqs = seqs[torch.linspace(0, seqs.shape[0] - 1, need).round().long()]
     model.eval()
     hidden, targets = [], []
     for start in range(0, need, config.batch_size):
-        ids = seqs[start : min(need, start + config.batch_size)].to(device)
+        ids = seqs[start : start + config.batch_size].to(device)
         with _autocast(config, device):
             states = model.model(input_ids=ids).last_hidden_state
         hidden.append(states[:, :-1].reshape(-1, states.shape[-1]).to(torch.bfloat16))

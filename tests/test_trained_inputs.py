@@ -8,6 +8,7 @@ and an explicit loop over the tiles.
 
 from __future__ import annotations
 
+import json
 import sysconfig
 from pathlib import Path
 
@@ -18,9 +19,14 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from flce_policy.benchmarks.logit_stats import logit_distribution  # noqa: E402
-from flce_policy.benchmarks.trained_config import TrainedConfig  # noqa: E402
+from flce_policy.benchmarks.trained_config import TrainedConfig, cache_key  # noqa: E402
 from flce_policy.benchmarks.trained_corpus import is_held_out, python_sources, split_corpus  # noqa: E402
-from flce_policy.benchmarks.trained_inputs import cache_path, load_or_build  # noqa: E402
+from flce_policy.benchmarks.trained_inputs import (  # noqa: E402
+    cache_path,
+    distribution_report,
+    load_or_build,
+    write_reports,
+)
 from flce_policy.benchmarks.trained_tokenizer import VocabTooLarge, train_tokenizer  # noqa: E402
 from flce_policy.cli import main  # noqa: E402
 from flce_policy.kernels.ce_kernel import KERNELS_INTERPRETED  # noqa: E402
@@ -120,6 +126,21 @@ def test_split_covers_every_file_once_and_respects_the_budget():
 def test_a_vocab_the_corpus_cannot_reach_is_a_clear_error():
     with pytest.raises(VocabTooLarge, match="reached .* tokens, not the 100000 asked for"):
         train_tokenizer(["def f(x):\n    return x\n"] * 3, 100_000)
+
+
+def test_reports_are_written(builds, tmp_path):
+    data = builds["data"][0]
+    report = distribution_report(data, "cpu", chunk_rows=128)
+    written = write_reports(data, report, tmp_path)
+    assert {p.name for p in written} == {"trained_inputs.json", "loss_curve.json", "loss_curve.png"}
+    summary = json.loads((tmp_path / "trained_inputs.json").read_text())
+    assert summary["key"] == cache_key(TINY) and summary["config"] == TINY.model_dump()
+    assert summary["final_loss"] == data["losses"][-1]
+    assert {(r["order"], r["tile"]) for r in summary["distribution"]["tiles"]} == {
+        (order, tile) for order in ("natural", "frequency") for tile in (64, 128)
+    }
+    assert json.loads((tmp_path / "loss_curve.json").read_text()) == [[i + 1, v] for i, v in enumerate(data["losses"])]
+    assert (tmp_path / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # --- the distribution report against a direct computation -------------------------------------------
