@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU half of the project, in one script, for the H200 the device tool lends:
-#   bash benchmarks/run_gpu_suite.sh [tests] [bench] [compile] [hf] [sharded] [quick METHODS SHAPES...]
+#   bash benchmarks/run_gpu_suite.sh [tests] [bench] [compile] [hf] [sharded] [trained] [quick METHODS SHAPES...]
 # (compile: the torch.compile GPU tests and benchmarks/compile_bench.py alone; hf: the HF step
 # benchmark and the 50-step check; sharded: FSDP2 / ZeRO-3 on one GPU and the saturation scenario,
-# with DeepSpeed's wheels in .whl/ds/ — see docs/fsdp-zero3.md)
+# with DeepSpeed's wheels in .whl/ds/ — see docs/fsdp-zero3.md; trained: train the small Llama of
+# benchmarks/trained_inputs.py, report its logits, then bench every method on its held-out inputs, all in
+# $OUT/trained — one call, since the cache it builds lives on the machine only)
 # Expects wheels in .whl/ (ours, built with `python -m build --wheel -o .whl`, plus the peers
 # liger-kernel and cut-cross-entropy); installs them into /tmp/site and runs from outside the
 # checkout so the installed package (with its package-dir mapping) is what gets imported.
@@ -39,6 +41,11 @@ while [ $# -gt 0 ]; do
       TRITON_INTERPRET=0 python3 "$repo/benchmarks/sharded_heads.py" "$out/sharded" --noise-floor 2>&1 | tee "$out/sharded_heads.log" || status=1
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True TRITON_INTERPRET=0 python3 "$repo/benchmarks/zero3_saturation.py" \
         "$out/z3s" 2>&1 | tee "$out/zero3_saturation.log" || status=1
+      shift ;;
+    trained)
+      mkdir -p "$out/trained"
+      python3 -m flce_policy.benchmarks.trained_inputs --out "$out/trained" 2>&1 | tee "$out/trained/trained_inputs.log" || status=1
+      python3 -m flce_policy.cli bench --inputs trained --out "$out/trained" 2>&1 | tee "$out/trained/bench.log" || status=1
       shift ;;
     quick)
       python3 -m flce_policy.benchmarks.quick "$2" "${@:3}" 2>&1 | tee "$out/quick.log" || status=1

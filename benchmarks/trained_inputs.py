@@ -92,7 +92,7 @@ def build_cache(
         f"corpus: {len(corpus.train_names)} train files ({corpus.train_bytes:,} bytes), "
         f"{len(corpus.held_out_names)} held-out files ({corpus.held_out_bytes:,} bytes) of {len(files)}"
     )
-    tokenizer = train_tokenizer(corpus.train_texts, config.vocab_size)
+    tokenizer = train_tokenizer(corpus.train_texts, config.vocab_size, min_frequency=config.min_frequency)
     train_ids = token_stream(tokenizer, corpus.train_texts)
     held_ids = token_stream(tokenizer, corpus.held_out_texts)
     log(f"tokenizer: V={config.vocab_size}, {train_ids.numel():,} train tokens, {held_ids.numel():,} held-out tokens")
@@ -145,7 +145,7 @@ def load_or_build(
     path = cache_path(config, cache_dir)
     if path.is_file():
         log(f"loading {path}")
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return {**torch.load(path, map_location="cpu", weights_only=True), "cache_file": str(path)}
     log(f"no cache at {path}: building it")
     data = build_cache(config, device=device, sources=sources, log=log, max_train_seconds=max_train_seconds)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -153,7 +153,7 @@ def load_or_build(
     torch.save(data, partial)
     partial.replace(path)  # a build cut short leaves no file that looks complete
     log(f"saved {path}")
-    return data
+    return {**data, "cache_file": str(path)}
 
 
 def trained_inputs(data: dict[str, Any], device: torch.device | str = "cuda") -> Inputs:
@@ -177,7 +177,17 @@ def distribution_report(data: dict[str, Any], device: torch.device | str, **opti
 
 # --- command line ---------------------------------------------------------------------------------
 
-_OVERRIDABLE = ("steps", "seed", "vocab_size", "hidden_size", "num_layers", "train_bytes", "batch_size", "seq_len")
+_OVERRIDABLE = (
+    "steps",
+    "seed",
+    "vocab_size",
+    "min_frequency",
+    "hidden_size",
+    "num_layers",
+    "train_bytes",
+    "batch_size",
+    "seq_len",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -213,6 +223,7 @@ def write_reports(data: dict[str, Any], report: dict[str, Any], out: Path) -> li
     curve = [[step + 1, loss] for step, loss in enumerate(data["losses"])]
     summary = {
         "key": data["key"],
+        "cache_file": data.get("cache_file"),  # `flce-policy bench --inputs FILE` runs on it
         "config": data["config"],
         "device": data["device"],
         "torch": data["torch"],

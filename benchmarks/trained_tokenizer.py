@@ -46,7 +46,8 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int, *, min_frequency: int
         size = sum(len(t.encode()) for t in texts)
         raise VocabTooLarge(
             f"the BPE trainer reached {reached} tokens, not the {vocab_size} asked for: {size:,} bytes of "
-            f"training text has too few pairs seen {min_frequency}+ times; raise the corpus budget or lower the vocab"
+            f"training text has too few pairs seen {min_frequency}+ times; raise the corpus budget, "
+            "lower the vocab or the min frequency"
         )
     return tokenizer
 
