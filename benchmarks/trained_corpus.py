@@ -13,6 +13,7 @@ not code anyone wrote) are skipped.
 from __future__ import annotations
 
 import hashlib
+import os
 import sysconfig
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -53,25 +54,29 @@ class Corpus:
 def python_sources(roots: dict[str, Path] | None = None) -> list[SourceFile]:
     """The ``*.py`` files under ``roots`` (label -> folder; default stdlib and purelib), sorted by name.
 
-    A file reached from two roots (site-packages inside the stdlib folder) is listed once, under
-    the first root; ``__pycache__`` folders are not entered.
+    A folder that is itself another root (site-packages inside the stdlib folder) is left to that
+    root, so no file is listed twice; ``__pycache__`` folders are not entered. ``os.walk`` with one
+    ``realpath`` per folder, not per file: file system calls are slow on some machines (gVisor).
     """
     if roots is None:
         paths = sysconfig.get_paths()
         roots = {"stdlib": Path(paths["stdlib"]), "purelib": Path(paths["purelib"])}
-    seen: set[Path] = set()
+    real_roots = {os.path.realpath(root) for root in roots.values()}
     files: list[SourceFile] = []
     for label, root in roots.items():
         if not root.is_dir():
             continue
-        for path in sorted(root.rglob("*.py")):
-            if "__pycache__" in path.parts or not path.is_file():
-                continue
-            real = path.resolve()
-            if real in seen:
-                continue
-            seen.add(real)
-            files.append(SourceFile(f"{label}/{path.relative_to(root).as_posix()}", path))
+        own = os.path.realpath(root)
+        for folder, dirs, names in os.walk(root):
+            dirs[:] = [
+                d
+                for d in dirs
+                if d != "__pycache__" and os.path.realpath(os.path.join(folder, d)) not in real_roots - {own}
+            ]
+            relative = Path(folder).relative_to(root)
+            for name in names:
+                if name.endswith(".py"):
+                    files.append(SourceFile(f"{label}/{(relative / name).as_posix()}", Path(folder, name)))
     return sorted(files, key=lambda f: f.name)
 
 

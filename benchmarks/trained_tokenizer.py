@@ -56,7 +56,9 @@ def token_stream(tokenizer, texts: Sequence[str]) -> torch.Tensor:
     """The texts' tokens in order, each file followed by END_OF_TEXT, as one int64 tensor."""
     end = tokenizer.token_to_id(END_OF_TEXT)
     ids: list[int] = []
-    for encoding in tokenizer.encode_batch(list(texts)):
+    # encode_batch_fast (tokenizers >= 0.20) skips the character offsets, which are not needed here
+    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+    for encoding in encode(list(texts)):
         ids.extend(encoding.ids)
         ids.append(end)
     return torch.tensor(ids, dtype=torch.int64)

@@ -123,6 +123,14 @@ def test_split_covers_every_file_once_and_respects_the_budget():
     assert set(small.train_names) <= set(corpus.train_names)
 
 
+def test_a_root_inside_another_is_listed_once():
+    nested = python_sources({"outer": STDLIB / "email", "inner": STDLIB / "email" / "mime"})
+    mime = sorted(p.name for p in (STDLIB / "email" / "mime").glob("*.py"))
+    assert sorted(f.name for f in nested if f.name.startswith("inner/")) == [f"inner/{m}" for m in mime]
+    assert not [f for f in nested if f.name.startswith("outer/mime/")]
+    assert len({f.path.resolve() for f in nested}) == len(nested)
+
+
 def test_a_vocab_the_corpus_cannot_reach_is_a_clear_error():
     with pytest.raises(VocabTooLarge, match="reached .* tokens, not the 100000 asked for"):
         train_tokenizer(["def f(x):\n    return x\n"] * 3, 100_000)
