@@ -1,6 +1,6 @@
 """Trained bench inputs (issue 26, part 1) on a tiny build: corpus split, determinism, cache, report, CLI.
 
-The build is the GPU one shrunk (V=320, H=64, 2 layers, 3 steps, a few stdlib packages as the
+The build is the GPU one shrunk (V=320, H=64, 2 layers, 2 steps, a few stdlib packages as the
 corpus); it trains through apply_flce, so the kernels run under the interpreter here. The
 distribution report is checked against a plain fp64 torch computation over the whole [T, V] matrix
 and an explicit loop over the tiles.
@@ -48,7 +48,7 @@ TINY = TrainedConfig(
     num_heads=4,
     seq_len=16,
     batch_size=2,
-    steps=3,
+    steps=2,
     warmup_steps=1,
     held_out_tokens=64,
 )
