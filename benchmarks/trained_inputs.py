@@ -23,6 +23,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +31,13 @@ import torch
 
 from .methods import Inputs
 from .trained_config import TrainedConfig, cache_key
+from .trained_corpus import Corpus
 
 __all__ = [
     "DEFAULT_CACHE_DIR",
     "MAX_TRAIN_SECONDS",
+    "Streams",
+    "prepare_streams",
     "build_cache",
     "cache_path",
     "load_or_build",
@@ -63,24 +67,27 @@ def _log(message: str) -> None:
     print(f"[trained-inputs] {message}", file=sys.stderr, flush=True)
 
 
-def build_cache(
-    config: TrainedConfig,
-    *,
-    device: torch.device | None = None,
-    sources: Callable[[], list] | None = None,
-    log: Callable[[str], None] = _log,
-    max_train_seconds: float | None = None,
-) -> dict[str, Any]:
-    """Build everything a cache file holds (see the module doc); ``sources()`` lists the corpus files.
+@dataclass(frozen=True)
+class Streams:
+    """What training reads: the corpus, its tokenizer and the token streams of both splits."""
 
-    ``max_train_seconds`` stops a training that runs longer with an error (see ``train``).
+    corpus: Corpus
+    tokenizer: Any  # tokenizers.Tokenizer
+    train_ids: torch.Tensor  # [N] int64
+    held_out_ids: torch.Tensor  # [M] int64
+
+
+def prepare_streams(
+    config: TrainedConfig, *, sources: Callable[[], list] | None = None, log: Callable[[str], None] = _log
+) -> Streams:
+    """Corpus, tokenizer and token streams of ``config``; ``sources()`` lists the corpus files.
+
+    Training twice (a loss option off, then on) reads one ``Streams``: same tokens, and with
+    ``trained_model.train``'s seed, the same batches in the same order.
     """
     from .trained_corpus import python_sources, split_corpus
-    from .trained_model import held_out_head_inputs, train
     from .trained_tokenizer import token_stream, train_tokenizer
 
-    device = device or default_device()
-    began = time.perf_counter()
     files = (sources or python_sources)()
     corpus = split_corpus(
         files,
@@ -93,9 +100,33 @@ def build_cache(
         f"{len(corpus.held_out_names)} held-out files ({corpus.held_out_bytes:,} bytes) of {len(files)}"
     )
     tokenizer = train_tokenizer(corpus.train_texts, config.vocab_size, min_frequency=config.min_frequency)
-    train_ids = token_stream(tokenizer, corpus.train_texts)
-    held_ids = token_stream(tokenizer, corpus.held_out_texts)
-    log(f"tokenizer: V={config.vocab_size}, {train_ids.numel():,} train tokens, {held_ids.numel():,} held-out tokens")
+    streams = Streams(
+        corpus, tokenizer, token_stream(tokenizer, corpus.train_texts), token_stream(tokenizer, corpus.held_out_texts)
+    )
+    log(
+        f"tokenizer: V={config.vocab_size}, {streams.train_ids.numel():,} train tokens, "
+        f"{streams.held_out_ids.numel():,} held-out tokens"
+    )
+    return streams
+
+
+def build_cache(
+    config: TrainedConfig,
+    *,
+    device: torch.device | None = None,
+    sources: Callable[[], list] | None = None,
+    log: Callable[[str], None] = _log,
+    max_train_seconds: float | None = None,
+) -> dict[str, Any]:
+    """Build everything a cache file holds (see the module doc); ``sources()`` lists the corpus files.
+
+    ``max_train_seconds`` stops a training that runs longer with an error (see ``train``).
+    """
+    from .trained_model import held_out_head_inputs, train
+
+    device = device or default_device()
+    began = time.perf_counter()
+    streams = prepare_streams(config, sources=sources, log=log)
     prepared = time.perf_counter() - began
     log(f"prepared in {prepared:.1f} s")
 
@@ -104,14 +135,14 @@ def build_cache(
 
     result = train(
         config,
-        train_ids,
+        streams.train_ids,
         device=device,
         log_every=max(1, config.steps // 20),
         on_log=on_log,
         max_seconds=max_train_seconds,
     )
     log(f"trained {config.steps} steps in {result.seconds:.1f} s on {device}")
-    hidden, target = held_out_head_inputs(result.model, config, held_ids, device=device)
+    hidden, target = held_out_head_inputs(result.model, config, streams.held_out_ids, device=device)
     weight = result.model.get_output_embeddings().weight.detach().to(torch.bfloat16)
     return {
         "config": config.model_dump(),
@@ -119,11 +150,11 @@ def build_cache(
         "x": hidden.cpu(),
         "weight": weight.cpu().contiguous(),
         "target": target.cpu(),
-        "token_counts": torch.bincount(train_ids, minlength=config.vocab_size),
-        "tokenizer": tokenizer.to_str(),
-        "train_files": list(corpus.train_names),
-        "held_out_files": list(corpus.held_out_names),
-        "train_tokens": train_ids.numel(),
+        "token_counts": torch.bincount(streams.train_ids, minlength=config.vocab_size),
+        "tokenizer": streams.tokenizer.to_str(),
+        "train_files": list(streams.corpus.train_names),
+        "held_out_files": list(streams.corpus.held_out_names),
+        "train_tokens": streams.train_ids.numel(),
         "losses": result.losses,
         "train_seconds": result.seconds,
         "prepare_seconds": prepared,

@@ -20,7 +20,16 @@ import torch
 
 from .trained_config import TrainedConfig
 
-__all__ = ["TrainResult", "TrainingTooSlow", "build_model", "sequences", "batches", "train", "held_out_head_inputs"]
+__all__ = [
+    "TrainResult",
+    "TrainingTooSlow",
+    "build_model",
+    "sequences",
+    "batches",
+    "train",
+    "held_out_head_inputs",
+    "held_out_loss",
+]
 
 
 @dataclass
@@ -170,6 +179,7 @@ def held_out_head_inputs(
         )
     # sequences spread evenly over the held-out text, so the positions come from many files, not the first few
     seqs = seqs[torch.linspace(0, seqs.shape[0] - 1, need).round().long()]
+    was_training = model.training
     model.eval()
     hidden, targets = [], []
     for start in range(0, need, config.batch_size):
@@ -178,6 +188,24 @@ def held_out_head_inputs(
             states = model.model(input_ids=ids).last_hidden_state
         hidden.append(states[:, :-1].reshape(-1, states.shape[-1]).to(torch.bfloat16))
         targets.append(ids[:, 1:].reshape(-1))
-    model.train()
+    model.train(was_training)
     tokens = config.held_out_tokens
     return torch.cat(hidden)[:tokens].contiguous(), torch.cat(targets)[:tokens].contiguous()
+
+
+@torch.no_grad()
+def held_out_loss(
+    model: torch.nn.Module, config: TrainedConfig, stream: torch.Tensor, *, device: torch.device, chunk_rows: int = 1024
+) -> float:
+    """Mean CE in nats over the held-out positions of :func:`held_out_head_inputs`.
+
+    From the bf16 hidden states and head weight the bench inputs hold, in fp32, ``chunk_rows`` at
+    a time: the number to compare between two trainings of one config (a loss option off and on).
+    """
+    hidden, target = held_out_head_inputs(model, config, stream, device=device)
+    weight = model.get_output_embeddings().weight.detach().to(torch.bfloat16).float()
+    total = 0.0
+    for start in range(0, hidden.shape[0], chunk_rows):
+        logits = hidden[start : start + chunk_rows].float() @ weight.t()
+        total += torch.nn.functional.cross_entropy(logits, target[start : start + chunk_rows], reduction="sum").item()
+    return total / hidden.shape[0]

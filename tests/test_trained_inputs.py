@@ -27,6 +27,7 @@ from flce_policy.benchmarks.trained_inputs import (  # noqa: E402
     load_or_build,
     write_reports,
 )
+from flce_policy.benchmarks.trained_model import build_model, held_out_loss  # noqa: E402
 from flce_policy.benchmarks.trained_tokenizer import VocabTooLarge, train_tokenizer  # noqa: E402
 from flce_policy.cli import main  # noqa: E402
 from flce_policy.kernels.ce_kernel import KERNELS_INTERPRETED  # noqa: E402
@@ -98,6 +99,22 @@ def test_cache_is_built_when_missing_and_reused_when_present(builds):
     again = load_or_build(TINY, builds["dirs"][0], device=CPU, sources=no_build, log=logged.append)
     assert torch.equal(again["x"], builds["data"][0]["x"])
     assert logged and logged[0].startswith("loading ")
+
+
+def test_held_out_loss_is_the_models_own_cross_entropy():
+    """HF's logits of the untrained model, fp32, against held_out_loss (bf16 hidden states and head)."""
+    model = build_model(TINY)
+    stream = torch.randint(0, TINY.vocab_size, (40 * TINY.seq_len,), generator=torch.Generator().manual_seed(1))
+    got = held_out_loss(model, TINY, stream, device=CPU, chunk_rows=24)
+    # the same positions: held_out_head_inputs spreads its sequences evenly over the stream
+    seqs = stream.view(-1, TINY.seq_len)
+    need = -(-TINY.held_out_tokens // (TINY.seq_len - 1))
+    picked = seqs[torch.linspace(0, seqs.shape[0] - 1, need).round().long()]
+    with torch.no_grad():
+        logits = model(input_ids=picked).logits[:, :-1].reshape(-1, TINY.vocab_size)
+    targets = picked[:, 1:].reshape(-1)
+    want = torch.nn.functional.cross_entropy(logits[: TINY.held_out_tokens], targets[: TINY.held_out_tokens])
+    assert got == pytest.approx(want.item(), rel=2e-3)  # bf16 rounding of the hidden states and the head
 
 
 def test_held_out_files_are_kept_apart(builds):
