@@ -318,6 +318,7 @@ def _metadata(device: Any, policy: Any, shapes: list, methods: list, args: argpa
         "flce_policy": flce_policy.__version__,
         "liger_kernel": _version("liger-kernel"),
         "cut_cross_entropy": _version("cut-cross-entropy"),
+        "quack_kernels": _version("quack-kernels"),
         "policy": policy.source,
         "logit_std": args.logit_std if args.logit_std is not None else DEFAULT_LOGIT_STD,
         "warmup": args.warmup if args.warmup is not None else DEFAULT_WARMUP,
