@@ -63,7 +63,7 @@ def run_command(parser: argparse.ArgumentParser, run: Callable[[argparse.Namespa
 
 
 def build_parser(prog: str) -> Parser:
-    from .suite import DEFAULT_SHAPES, format_shape
+    from .suite import DEFAULT_SHAPES, SHAPE_SETS, format_shape
 
     parser = Parser(
         prog=prog,
@@ -74,7 +74,8 @@ def build_parser(prog: str) -> Parser:
         nargs="+",
         type=shape_arg,
         metavar="BTxHxV",
-        help=f"shapes to run (default: {' '.join(format_shape(s) for s in DEFAULT_SHAPES)})",
+        help=f"shapes to run, BTxHxV or a set ({', '.join(SHAPE_SETS)}); default: "
+        f"{' '.join(format_shape(s) for s in DEFAULT_SHAPES)}",
     )
     parser.add_argument(
         "--methods",
@@ -122,11 +123,12 @@ def add_measurement_options(parser: argparse.ArgumentParser, *, with_defaults: b
     )
 
 
-def shape_arg(text: str) -> tuple[int, int, int]:
-    from .suite import parse_shape
+def shape_arg(text: str) -> tuple[tuple[int, int, int], ...]:
+    """One ``--shapes`` value: a BTxHxV shape or a named set, as a tuple of shapes (flatten the list)."""
+    from .suite import parse_shapes
 
     try:
-        return parse_shape(text)
+        return parse_shapes(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 
@@ -191,7 +193,7 @@ def _measure(args: argparse.Namespace) -> int:
     from .methods import default_methods, planned_vocab_chunk, predicted_peak, predicted_time, select_methods
     from .progress import SuiteProgress
     from .report import write_csv, write_json
-    from .suite import DEFAULT_SHAPES, Record, run_suite, with_floor_ratios
+    from .suite import Record, expand_shapes, run_suite, with_floor_ratios
 
     policy = FLCEPolicy.default()
     try:
@@ -199,7 +201,7 @@ def _measure(args: argparse.Namespace) -> int:
     except ValueError as err:  # --methods matching nothing
         raise UsageError(str(err)) from None
     trained, inputs_label = _trained_inputs(args.inputs)
-    shapes = [trained.shape] if trained is not None else list(args.shapes or DEFAULT_SHAPES)
+    shapes = [trained.shape] if trained is not None else expand_shapes(args.shapes)
     device = probe_device()
     metadata = _metadata(device, policy, shapes, methods, args)
     metadata["inputs"] = inputs_label
@@ -364,6 +366,7 @@ def _metadata(device: Any, policy: Any, shapes: list, methods: list, args: argpa
         "flce_policy": flce_policy.__version__,
         "liger_kernel": _version("liger-kernel"),
         "cut_cross_entropy": _version("cut-cross-entropy"),
+        "quack_kernels": _version("quack-kernels"),
         "policy": policy.source,
         "logit_std": args.logit_std if args.logit_std is not None else DEFAULT_LOGIT_STD,
         "warmup": args.warmup if args.warmup is not None else DEFAULT_WARMUP,

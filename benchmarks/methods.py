@@ -43,13 +43,15 @@ __all__ = [
 ]
 
 Step = Callable[[], None]
+#: A loss method at given inputs: (x, weight) -> the scalar loss, differentiable in both.
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 #: The chunk geometry of a method for a (problem, device).
 Plan = Callable[[Problem, DeviceInfo], Geometry]
 #: The name of the reference row every ratio is taken against.
 FLOOR = "gemm_floor"
 #: Each peer's rows at its own defaults: Liger's chunk rule at C=1 (bf16, and with fp32 accumulation
-#: for the fp32 comparison), CCE with its default filter, eager PyTorch.
-PEER_DEFAULTS = frozenset({"liger_c1_bf16", "liger_c1_fp32", "cce", "eager"})
+#: for the fp32 comparison), QuACK at its default chunk, CCE with its default filter, eager PyTorch.
+PEER_DEFAULTS = frozenset({"liger_c1_bf16", "liger_c1_fp32", "quack", "cce", "eager"})
 #: The rows' grad_weight accumulation: the label and the loss's ``accum_dtype``.
 _ACCUM_DTYPES: dict[str, torch.dtype | None] = {"bf16": None, "fp32": torch.float32}
 #: The peak limit of the lean Fastest row: under liger-kernel fp32 (8.20 GiB at 32768x5376x262144)
@@ -106,11 +108,21 @@ class Method:
 
     name: str
     family: str
-    build: Callable[[Inputs], Step]
+    #: inputs -> the loss function ``(x, weight) -> scalar`` of a loss method (None for the floor)
+    loss: Callable[[Inputs], LossFn] | None = None
+    #: inputs -> a step of its own, for rows that are not a loss (the floor)
+    step: Callable[[Inputs], Step] | None = None
     chunk_size: int | None = None
     accum: str = "bf16"
     options: dict[str, Any] = field(default_factory=dict)
     plan: Plan | None = None
+
+    def build(self, inputs: Inputs) -> Step:
+        """The fwd+bwd step timed for this row (Unavailable when it cannot run here)."""
+        if self.step is not None:
+            return self.step(inputs)
+        assert self.loss is not None, f"{self.name}: a method needs a loss or a step"
+        return _leaf_step(inputs, self.loss(inputs))
 
 
 def gemm_floor(inputs: Inputs) -> Step:
@@ -129,57 +141,63 @@ def gemm_floor(inputs: Inputs) -> Step:
     return step
 
 
-def ours(policy_factory: Callable[[Inputs], Any], accum_dtype: torch.dtype | None = None) -> Callable[[Inputs], Step]:
-    def build(inputs: Inputs) -> Step:
+def ours(policy_factory: Callable[[Inputs], Any], accum_dtype: torch.dtype | None = None) -> Callable[[Inputs], LossFn]:
+    def build(inputs: Inputs) -> LossFn:
         from flce_policy import fused_linear_cross_entropy
 
         policy = policy_factory(inputs)
-        return _leaf_step(
-            inputs,
-            lambda x, w: fused_linear_cross_entropy(x, w, inputs.target, policy=policy, accum_dtype=accum_dtype),
-        )
+        return lambda x, w: fused_linear_cross_entropy(x, w, inputs.target, policy=policy, accum_dtype=accum_dtype)
 
     return build
 
 
-def liger(chunk_mem_const: int, accum_dtype: torch.dtype | None = None) -> Callable[[Inputs], Step]:
-    def build(inputs: Inputs) -> Step:
+def liger(chunk_mem_const: int, accum_dtype: torch.dtype | None = None) -> Callable[[Inputs], LossFn]:
+    def build(inputs: Inputs) -> LossFn:
         if importlib.util.find_spec("liger_kernel") is None:
             raise Unavailable("not installed")
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
-        return _leaf_step(
-            inputs,
-            lambda x, w: liger_fused_linear_cross_entropy(
-                x, w, inputs.target, chunk_mem_const=chunk_mem_const, accum_dtype=accum_dtype
-            ),
+        return lambda x, w: liger_fused_linear_cross_entropy(
+            x, w, inputs.target, chunk_mem_const=chunk_mem_const, accum_dtype=accum_dtype
         )
 
     return build
 
 
-def cce(filter_eps: str | None = "auto") -> Callable[[Inputs], Step]:
-    def build(inputs: Inputs) -> Step:
+def cce(filter_eps: str | None = "auto") -> Callable[[Inputs], LossFn]:
+    def build(inputs: Inputs) -> LossFn:
         if importlib.util.find_spec("cut_cross_entropy") is None:
             raise Unavailable("not installed")
         from cut_cross_entropy import linear_cross_entropy
 
-        return _leaf_step(
-            inputs,
-            lambda x, w: linear_cross_entropy(x, w, inputs.target, filter_eps=filter_eps, ignore_index=-100),
+        return lambda x, w: linear_cross_entropy(x, w, inputs.target, filter_eps=filter_eps, ignore_index=-100)
+
+    return build
+
+
+def quack(chunk_size: int = 4096) -> Callable[[Inputs], LossFn]:
+    """QuACK's ``chunked_linear_cross_entropy`` (quack-kernels, CuTe-DSL) at its default chunk of 4096 rows."""
+
+    def build(inputs: Inputs) -> LossFn:
+        if importlib.util.find_spec("quack") is None:
+            raise Unavailable("not installed")
+        from quack.linear_cross_entropy import chunked_linear_cross_entropy
+
+        return lambda x, w: chunked_linear_cross_entropy(
+            x, w, inputs.target, chunk_size=chunk_size, ignore_index=-100, reduction="mean"
         )
 
     return build
 
 
-def eager(inputs: Inputs) -> Step:
+def eager(inputs: Inputs) -> LossFn:
     tokens, vocab = inputs.shape[0], inputs.shape[2]
     # bf16 logits + their fp32 copy + the fp32 softmax gradient + its bf16 cast
     need = tokens * vocab * (2 + 4 + 4 + 2)
     free, _ = torch.cuda.mem_get_info()
     if need > 0.8 * free:
         raise Unavailable(f"needs ~{need / 2**30:.0f} GiB of logits, {free / 2**30:.0f} GiB free")
-    return _leaf_step(inputs, lambda x, w: F.cross_entropy((x @ w.t()).float(), inputs.target))
+    return lambda x, w: F.cross_entropy((x @ w.t()).float(), inputs.target)
 
 
 def _fixed_strategy(chunk: int | None, tokens: int) -> FixedChunkSize:
@@ -223,7 +241,7 @@ def default_methods(
     from flce_policy.strategies import Fastest, HeuristicC
 
     policy = FLCEPolicy.default() if policy is None else policy
-    methods = [Method(FLOOR, "floor", gemm_floor)]
+    methods = [Method(FLOOR, "floor", step=gemm_floor)]
     for accum, dtype in _ACCUM_DTYPES.items():
         methods.append(
             Method(
@@ -284,6 +302,19 @@ def default_methods(
                 plan=strategy.geometry,
             )
         )
+    # Within Liger C=16's memory: the cost model's pick under the peak our memory model predicts for
+    # Liger's own chunk (it matches Liger's measured peak to 0.1 MB, results/2026-11-29-h200).
+    within_liger = Fastest(max_slab="64GiB", max_peak=HeuristicC(16))
+    methods.append(
+        Method(
+            "ours_within_liger_c16_peak_bf16",
+            "ours within peak",
+            ours(lambda _inputs: within_liger),
+            options={"max_peak": "liger_c16"},
+            plan=within_liger.geometry,
+        )
+    )
+    methods.append(Method("quack", "quack", quack()))
     methods.append(Method("cce", "cce", cce()))
     methods.append(Method("cce_nofilter", "cce", cce(None)))
     methods.append(Method("eager", "eager", eager))

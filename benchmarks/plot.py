@@ -32,11 +32,13 @@ FAMILY_COLOURS = {
     "ours fixed": "tab:blue",
     "ours vocab-tiled": "tab:purple",
     "ours fastest": "tab:brown",
+    "ours within peak": "tab:pink",
     "liger": "tab:orange",
     "cce": "tab:green",
+    "quack": "tab:cyan",
     "eager": "tab:gray",
 }
-_OTHER_COLOURS = ("tab:pink", "tab:olive", "tab:cyan")  # families the table above does not know
+_OTHER_COLOURS = ("tab:olive", "black")  # families the table above does not know
 ACCUM_MARKERS = {"bf16": "o", "fp32": "^"}  # fp32 grad_weight accumulation: a triangle
 _SIZES = {"default": 90, "point": 40}  # scatter areas, points squared: a default stands out
 

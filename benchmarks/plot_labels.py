@@ -61,7 +61,9 @@ def label_text(r: Record) -> str:
         return f"fastest {fastest[1]}" + (f", peak {fastest[2]}" if fastest[2] else "")
     if r.family == "liger":
         return f"Liger {r.method.split('_')[1]}{chunk}"  # liger_c16_bf16 -> Liger c16 (2048)
-    return {"cce": "CCE", "cce_nofilter": "CCE, no filter"}.get(r.method, r.method)
+    if r.family == "ours within peak":
+        return f"within Liger c16's peak{chunk}"
+    return {"cce": "CCE", "cce_nofilter": "CCE, no filter", "quack": "QuACK"}.get(r.method, r.method)
 
 
 def place_labels(

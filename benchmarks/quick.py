@@ -5,11 +5,11 @@ from __future__ import annotations
 import sys
 
 from .methods import default_methods
-from .suite import parse_shape, run_suite
+from .suite import expand_shapes, parse_shapes, run_suite
 
 
 def main(argv: list[str]) -> None:
-    shapes = [parse_shape(s) for s in argv[1:]] or [(8192, 5376, 262144)]
+    shapes = expand_shapes([parse_shapes(s) for s in argv[1:]], [(8192, 5376, 262144)])
     wanted = set(argv[0].split(",")) if argv else set()
     methods = [m for m in default_methods() if not wanted or m.name in wanted]
     records = run_suite(

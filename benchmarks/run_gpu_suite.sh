@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The GPU half of the project, in one script, for the H200 the device tool lends:
-#   bash benchmarks/run_gpu_suite.sh [tests] [bench] [compile] [hf] [sharded] [trained] [quick METHODS SHAPES...]
+#   bash benchmarks/run_gpu_suite.sh [tests] [bench] [smallheads] [compile] [hf] [sharded] [trained] [quick METHODS SHAPES...]
+# (smallheads: the small- and large-head shape sets against QuACK and Liger, and the accuracy table;
+# QuACK's wheels go to a directory of their own whose path holds /site-packages/, put on PYTHONPATH
+# with its nvidia_cutlass_dsl/dsl_packages — ../shared/INTEGRATION-NOTES.md says why)
 # (compile: the torch.compile GPU tests and benchmarks/compile_bench.py alone; hf: the HF step
 # benchmark and the 50-step check; sharded: FSDP2 / ZeRO-3 on one GPU and the saturation scenario,
 # with DeepSpeed's wheels in .whl/ds/ — see docs/fsdp-zero3.md; trained: train the small Llama of
@@ -14,7 +17,7 @@ repo=$(pwd)
 out=${OUT:-/tmp/flce-out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$repo"/.whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 cd /tmp || exit 1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"
 status=0
@@ -26,6 +29,11 @@ while [ $# -gt 0 ]; do
       shift ;;
     bench)
       python3 -m flce_policy.cli bench --out "$out" || status=1
+      shift ;;
+    smallheads)
+      python3 -m flce_policy.cli bench --shapes small-heads large-heads --out "$out/small_heads" --methods \
+        ours_default_bf16 ours_within_liger_c16_peak_bf16 quack liger_c16_bf16 liger_c1_bf16 2>&1 | tee "$out/small_heads.log" || status=1
+      python3 -m flce_policy.benchmarks.accuracy --out "$out/accuracy.json" 2>&1 | tee "$out/accuracy.log" || status=1
       shift ;;
     compile)
       TRITON_INTERPRET=0 python3 -m pytest "$repo/tests/test_gpu_compile.py" -m gpu -s -q -p no:cacheprovider 2>&1 | tee "$out/gpu_compile_tests.log" || status=1

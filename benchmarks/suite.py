@@ -13,7 +13,17 @@ import torch
 from .measure import measure
 from .methods import Inputs, Method, Unavailable, make_inputs
 
-__all__ = ["Record", "run_suite", "DEFAULT_SHAPES", "parse_shape", "format_shape", "with_floor_ratios"]
+__all__ = [
+    "Record",
+    "run_suite",
+    "DEFAULT_SHAPES",
+    "SHAPE_SETS",
+    "parse_shape",
+    "parse_shapes",
+    "expand_shapes",
+    "format_shape",
+    "with_floor_ratios",
+]
 
 Shape = tuple[int, int, int]  # (BT, H, V)
 
@@ -23,6 +33,22 @@ DEFAULT_SHAPES: tuple[Shape, ...] = (
     (32768, 5376, 262144),
     (32768, 4096, 128256),
 )
+
+#: Named sets for ``--shapes``: the heads of the 0.5B-3B models most people fine-tune on one GPU
+#: (Qwen2.5-0.5B, 1024x131072, Gemma-3-1B, Llama-3.2-1B, Qwen3-1.7B, Llama-3.2-3B) at 16384 tokens,
+#: and the large heads (Gemma-4 31B at 8k and 32k tokens, Llama-3 8B at 32k).
+SHAPE_SETS: dict[str, tuple[Shape, ...]] = {
+    "default": DEFAULT_SHAPES,
+    "small-heads": (
+        (16384, 896, 151936),
+        (16384, 1024, 131072),
+        (16384, 1152, 262144),
+        (16384, 2048, 128256),
+        (16384, 2048, 151936),
+        (16384, 3072, 128256),
+    ),
+    "large-heads": ((8192, 5376, 262144), (32768, 5376, 262144), (32768, 4096, 128256)),
+}
 
 _SHAPE_RE = re.compile(r"\s*([0-9]+)\s*[x×]\s*([0-9]+)\s*[x×]\s*([0-9]+)\s*", re.ASCII | re.IGNORECASE)
 
@@ -73,6 +99,27 @@ def parse_shape(text: str) -> Shape:
         raise ValueError(f"a shape is BTxHxV with three positive integers, e.g. 8192x5376x262144; got {text!r}")
     tokens, hidden, vocab = (int(n) for n in match.groups())
     return tokens, hidden, vocab
+
+
+def parse_shapes(text: str) -> tuple[Shape, ...]:
+    """A shape ('16384x896x151936') or the name of a set in :data:`SHAPE_SETS` -> its shapes."""
+    named = SHAPE_SETS.get(text.strip().lower())
+    if named is not None:
+        return named
+    try:
+        return (parse_shape(text),)
+    except ValueError:
+        raise ValueError(
+            f"a shape is BTxHxV with three positive integers, e.g. 8192x5376x262144, or one of the sets "
+            f"{', '.join(SHAPE_SETS)}; got {text!r}"
+        ) from None
+
+
+def expand_shapes(values: Iterable[Sequence[Shape]] | None, default: Sequence[Shape] = DEFAULT_SHAPES) -> list[Shape]:
+    """``--shapes`` values (tuples of shapes, from :func:`parse_shapes`) as one list, each shape once, in order."""
+    if not values:
+        return list(default)
+    return list(dict.fromkeys(shape for value in values for shape in value))
 
 
 def format_shape(shape: Sequence[int]) -> str:

@@ -10,9 +10,10 @@ from flce_policy.plan.device import DeviceInfo
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.memory import predict_peak
 from flce_policy.plan.problem import Problem
-from flce_policy.plan.units import parse_bytes
+from flce_policy.plan.units import format_bytes, parse_bytes
 
-from .base import ChunkStrategy, StrategyError, builtin_strategy
+from .base import ChunkStrategy, StrategyError, builtin_strategy, checked_geometry
+from .nested import nested_config, nested_strategy, validate_nested
 
 __all__ = ["Fastest"]
 
@@ -26,6 +27,9 @@ class Fastest(ChunkStrategy):
 
     Limits: ``max_slab`` on the slab, and optionally ``max_peak`` on the predicted peak over inputs
     (:func:`flce_policy.plan.memory.predict_peak`, which counts an fp32 grad_weight accumulator).
+    ``max_peak`` is bytes ("3GiB"), or another strategy (an object, or its YAML mapping): then the
+    limit is the peak that strategy's geometry is predicted to take for the same problem, e.g.
+    ``Fastest(max_peak=HeuristicC(16))`` is the fastest geometry within Liger-Kernel C=16's memory.
 
     Candidates: power-of-two row chunks (and all BT rows) over the whole vocabulary, and the same
     row chunks over power-of-two vocab tiles (>= 1024 columns). ``accum`` is the grad_weight
@@ -42,7 +46,7 @@ class Fastest(ChunkStrategy):
         self,
         max_slab: int | str = "1GiB",
         accum: str = "bf16",
-        max_peak: int | str | None = None,
+        max_peak: int | str | ChunkStrategy | dict[str, Any] | None = None,
         rates: dict[str, float] | None = None,
     ) -> None:
         self.max_slab = max_slab
@@ -56,7 +60,9 @@ class Fastest(ChunkStrategy):
                 raise ValueError("must be positive, got 0")
         except ValueError as err:
             raise StrategyError(f"fastest: max_slab: {err}", param="max_slab") from None
-        if self.max_peak is not None:
+        if isinstance(self.max_peak, (ChunkStrategy, dict)):
+            validate_nested(self, "max_peak")
+        elif self.max_peak is not None:
             try:
                 parse_bytes(self.max_peak)
             except ValueError as err:
@@ -66,10 +72,22 @@ class Fastest(ChunkStrategy):
         if self.rates is not None:
             _checked_rates(self.rates)
 
-    def candidates(self, problem: Problem) -> list[Geometry]:
-        """Every geometry considered, slab within ``max_slab``."""
+    def peak_limit(self, problem: Problem, device: DeviceInfo | None = None) -> int | None:
+        """``max_peak`` in bytes for ``problem`` (a strategy's predicted peak needs the ``device`` it plans for)."""
+        if not isinstance(self.max_peak, (ChunkStrategy, dict)):
+            return None if self.max_peak is None else parse_bytes(self.max_peak)
+        if device is None:
+            raise StrategyError(
+                "fastest: max_peak given as a strategy needs the device to plan it for", param="max_peak"
+            )
+        other = nested_strategy(self, "max_peak")
+        geometry = checked_geometry(other, problem, device)  # type: ignore[arg-type]
+        return predict_peak(geometry).total_bytes
+
+    def candidates(self, problem: Problem, device: DeviceInfo | None = None) -> list[Geometry]:
+        """Every geometry considered, slab within ``max_slab`` (and predicted peak within ``max_peak``)."""
         limit = parse_bytes(self.max_slab)
-        peak_limit = None if self.max_peak is None else parse_bytes(self.max_peak)
+        peak_limit = self.peak_limit(problem, device)
         accum_dtype, label = self.planned_accum_dtype(), repr(self)
         rows = sorted({*_powers_of_two(problem.tokens), problem.tokens})
         columns = [c for c in _powers_of_two(problem.vocab) if c >= _MIN_VOCAB_CHUNK and c < problem.vocab]
@@ -86,7 +104,7 @@ class Fastest(ChunkStrategy):
         if not out:
             raise StrategyError(
                 f"fastest: no geometry of {problem.describe()} fits max_slab={self.max_slab!r}"
-                + ("" if self.max_peak is None else f" and max_peak={self.max_peak!r}")
+                + ("" if peak_limit is None else f" and max_peak={self.max_peak!r} ({format_bytes(peak_limit)})")
                 + f" (the smallest slab is one row of {min(problem.vocab, _MIN_VOCAB_CHUNK)} columns)",
                 param="max_slab" if self.max_peak is None else "max_peak",
             )
@@ -101,7 +119,7 @@ class Fastest(ChunkStrategy):
     def rank(self, problem: Problem, device: DeviceInfo) -> list[tuple[float, Geometry]]:
         """(predicted seconds, geometry), fastest first."""
         rates = self.planned_rates(device)
-        scored = [(predict_seconds(g, rates).seconds, g) for g in self.candidates(problem)]
+        scored = [(predict_seconds(g, rates).seconds, g) for g in self.candidates(problem, device)]
         if not math.isfinite(min(seconds for seconds, _ in scored)):
             # rates so small that every prediction overflows: no ranking is left to make
             raise StrategyError(
@@ -121,6 +139,11 @@ class Fastest(ChunkStrategy):
 
     def get_params(self) -> dict[str, Any]:
         return {"max_slab": self.max_slab, "accum": self.accum, "max_peak": self.max_peak, "rates": self.rates}
+
+    def to_config(self) -> dict[str, Any]:
+        config = super().to_config()
+        nested_config(self, "max_peak", config)
+        return config
 
 
 def _checked_rates(rates: Any) -> DeviceRates:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any
 
@@ -15,8 +14,8 @@ from flce_policy.plan.memory import held_beside_slab
 from flce_policy.plan.problem import Problem, checked_dtype
 from flce_policy.plan.units import format_bytes, parse_bytes
 
-from . import registry
 from .base import ChunkStrategy, StrategyError, builtin_strategy, checked_geometry
+from .nested import nested_config, nested_strategy, validate_nested
 
 __all__ = ["FreeMemory", "NotEnoughFreeMemoryError"]
 
@@ -83,35 +82,14 @@ class FreeMemory(ChunkStrategy):
                 checked_dtype(self.accum_dtype, "accum_dtype")
             except ValueError as err:
                 raise StrategyError(f"free_memory: {err}; or null (the weight dtype)", param="accum_dtype") from None
-        cap = self.cap_strategy()
-        if cap is not None:
-            try:
-                cap.validate_params()
-            except StrategyError as err:
-                raise _nested(err, cap.config_name()) from None
+        validate_nested(self, "cap")
 
     def planned_accum_dtype(self) -> str | None:
         return self.accum_dtype
 
     def cap_strategy(self) -> ChunkStrategy | None:
         """``cap`` as a strategy: built once from a mapping (and again only if the mapping changes)."""
-        cap = self.cap
-        if cap is None or isinstance(cap, ChunkStrategy):
-            return cap
-        if not isinstance(cap, dict):
-            raise StrategyError(
-                "free_memory: cap must be a strategy mapping such as {strategy: heuristic_c, c: 16}, "
-                f"a ChunkStrategy, or null; got {cap!r}",
-                param="cap",
-            )
-        built = self.__dict__.get("_built_cap")
-        if built is None or built[0] != cap:
-            try:
-                built = (copy.deepcopy(cap), registry.strategy_from_config(cap))
-            except StrategyError as err:
-                raise _nested(err, cap.get("strategy")) from None
-            self._built_cap = built
-        return built[1]
+        return nested_strategy(self, "cap")
 
     def pick_chunk_size(self, problem: Problem, device: DeviceInfo) -> int:
         """Rows whose slab fits in ``fraction`` of what is available now (the cap aside)."""
@@ -155,18 +133,5 @@ class FreeMemory(ChunkStrategy):
 
     def to_config(self) -> dict[str, Any]:
         config = super().to_config()
-        if isinstance(self.cap, dict):
-            try:  # as the cap strategy writes itself (its defaults filled in), like any top-level strategy
-                config["cap"] = self.cap_strategy().to_config()  # type: ignore[union-attr]
-            except StrategyError:
-                pass  # kept as written; validate_params reports what is wrong with it
+        nested_config(self, "cap", config)
         return config
-
-
-def _nested(err: StrategyError, cap_name: Any) -> StrategyError:
-    """The cap's error, its parameter prefixed with ``cap.`` so a policy file's error names ``devices[2].cap.c``."""
-    message = str(err).removeprefix(f"{cap_name}: ")
-    if err.param is not None:
-        message = message.removeprefix(f"{err.param}: ")
-    param = "cap" if err.param is None else f"cap.{err.param}"
-    return StrategyError(f"free_memory: {param}: {message}", param=param)

@@ -5,11 +5,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# The chunked fp32 reference lives with the accuracy benchmark that reports against it.
+from flce_policy.benchmarks.reference import chunked_fp32_reference, rel_l2
 
-def rel_l2(value: torch.Tensor, reference: torch.Tensor) -> float:
-    """||value - reference|| / ||reference||, computed in float64."""
-    value, reference = value.double(), reference.double()
-    return float((value - reference).norm() / reference.norm().clamp_min(1e-300))
+__all__ = ["chunked_fp32_reference", "make_inputs", "reference_loss_and_grads", "rel_l2"]
 
 
 def reference_loss_and_grads(
@@ -37,29 +36,3 @@ def make_inputs(
     y = torch.randint(0, vocab, (tokens,), device="cuda", generator=gen)
     y[torch.rand(tokens, device="cuda", generator=gen) < 0.01] = -100
     return x, w, y
-
-
-def chunked_fp32_reference(
-    x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, rows: int = 4096, ignore_index: int = -100
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`reference_loss_and_grads` in fp32, ``rows`` at a time: for shapes whose full fp32
-    logits (and their autograd copies) would not fit. Softmax minus one-hot by hand, grad_weight
-    summed in fp32 over the row blocks."""
-    w = weight.detach().float()
-    valid_count = (target != ignore_index).sum().clamp_min(1).float()
-    loss = torch.zeros((), dtype=torch.float32, device=x.device)
-    grad_x = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    grad_w = torch.zeros(w.shape, dtype=torch.float32, device=x.device)
-    for start in range(0, x.shape[0], rows):
-        xc, yc = x[start : start + rows].detach().float(), target[start : start + rows]
-        valid = yc != ignore_index
-        safe_y = torch.where(valid, yc, 0)
-        logits = xc @ w.t()
-        lse = torch.logsumexp(logits, dim=-1)
-        loss += ((lse - logits.gather(1, safe_y[:, None])[:, 0]) * valid).sum()
-        grad_logits = logits.sub_(lse[:, None]).exp_()
-        grad_logits[torch.arange(len(yc), device=x.device), safe_y] -= 1.0
-        grad_logits *= (valid.float() / valid_count)[:, None]
-        grad_x[start : start + rows] = grad_logits @ w
-        grad_w += grad_logits.t() @ xc
-    return loss / valid_count, grad_x, grad_w

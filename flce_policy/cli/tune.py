@@ -342,7 +342,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "flce-policy tune") -
 
 
 def build_parser(prog: str) -> Parser:
-    from flce_policy.benchmarks.suite import DEFAULT_SHAPES
+    from flce_policy.benchmarks.suite import DEFAULT_SHAPES, SHAPE_SETS
 
     parser = Parser(
         prog=prog,
@@ -354,7 +354,8 @@ def build_parser(prog: str) -> Parser:
         nargs="+",
         type=shape_arg,
         metavar="BTxHxV",
-        help=f"shapes to tune for (default: {' '.join(format_shape(s) for s in DEFAULT_SHAPES)})",
+        help=f"shapes to tune for, BTxHxV or a set ({', '.join(SHAPE_SETS)}); default: "
+        f"{' '.join(format_shape(s) for s in DEFAULT_SHAPES)}",
     )
     # No defaults: how much memory the loss may take is the user's to say, so at least one is required.
     parser.add_argument(
@@ -418,12 +419,12 @@ def run(args: argparse.Namespace) -> int:
 
     if not torch.cuda.is_available():
         raise UsageError("tune needs a CUDA GPU (torch.cuda.is_available() is False): it measures the GPU it runs on")
-    from flce_policy.benchmarks.suite import DEFAULT_SHAPES
+    from flce_policy.benchmarks.suite import expand_shapes
     from flce_policy.engine.probe import probe_device
 
     device = probe_device()
     limits = Limits(args.max_peak, args.max_slab)
-    records = _measure(list(args.shapes or DEFAULT_SHAPES), device, args)
+    records = _measure(expand_shapes(args.shapes), device, args)
     try:
         choice = choose(records, limits, device=device)
     except ValueError as err:  # nothing measured fits the limits given
