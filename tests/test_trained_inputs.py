@@ -262,3 +262,42 @@ def test_bench_refuses_what_trained_inputs_fix(capsys, argv, fragment):
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and err.startswith("error: ")
     assert fragment in err
+
+
+def test_bench_runs_every_method_on_a_cache_file(builds, tmp_path, capsys, monkeypatch):
+    """--inputs FILE: one shape, the file's; run_suite gets those inputs for it; metadata says which."""
+    from flce_policy.benchmarks import suite, trained_inputs
+    from flce_policy.benchmarks.methods import Inputs
+    from flce_policy.benchmarks.suite import Record, with_floor_ratios
+    from flce_policy.engine import probe
+    from flce_policy.plan.device import DeviceInfo
+
+    seen = {}
+
+    def fake_run_suite(shapes, methods, *, inputs_for, on_record, **_options):
+        shapes = list(shapes)
+        seen.update(shapes=shapes, inputs=inputs_for(shapes[0]))
+        records = [Record(shapes[0], m.name, m.family, m.accum, median_ms=1.0) for m in methods]
+        for record in records:
+            on_record(record)
+        return with_floor_ratios(records)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(probe, "probe_device", lambda index=None: DeviceInfo.synthetic("H200"))
+    monkeypatch.setattr(suite, "run_suite", fake_run_suite)
+    # the tensors stay on the CPU here (bench moves them to the GPU)
+    monkeypatch.setattr(
+        trained_inputs, "trained_inputs", lambda data, device: Inputs(data["x"], data["weight"], data["target"])
+    )
+    path = cache_path(TINY, builds["dirs"][0])
+    out = tmp_path / "out"
+    code = main(["bench", "--inputs", str(path), "--methods", "ours_default_bf16", "--out", str(out)])
+    _, err = capsys.readouterr()
+    assert code == 0, err
+    data = builds["data"][0]
+    assert seen["shapes"] == [(TINY.held_out_tokens, TINY.hidden_size, TINY.vocab_size)]
+    assert torch.equal(seen["inputs"].x, data["x"]) and torch.equal(seen["inputs"].target, data["target"])
+    meta = json.loads((out / "bench.json").read_text())["metadata"]
+    assert meta["inputs"] == f"trained {cache_key(TINY)}" and meta["logit_std"] is None
+    assert meta["shapes"] == [f"{TINY.held_out_tokens}x{TINY.hidden_size}x{TINY.vocab_size}"]
