@@ -7,7 +7,7 @@
 # (compile: the torch.compile GPU tests and benchmarks/compile_bench.py alone; hf: the HF step
 # benchmark and the 50-step check; sharded: FSDP2 / ZeRO-3 on one GPU and the saturation scenario,
 # with DeepSpeed's wheels in .whl/ds/ — see docs/fsdp-zero3.md; trained: train the small Llama of
-# benchmarks/trained_inputs.py, report its logits, then bench every method on its held-out inputs, all in
+# benchmarks/trained_inputs.py, report its logits, then bench issue 26's methods on its held-out inputs, all in
 # $OUT/trained — one call, since the cache it builds lives on the machine only)
 # Expects wheels in .whl/ (ours, built with `python -m build --wheel -o .whl`, plus the peers
 # liger-kernel and cut-cross-entropy); installs them into /tmp/site and runs from outside the
@@ -53,7 +53,9 @@ while [ $# -gt 0 ]; do
     trained)
       mkdir -p "$out/trained"
       python3 -m flce_policy.benchmarks.trained_inputs --out "$out/trained" 2>&1 | tee "$out/trained/trained_inputs.log" || status=1
-      python3 -m flce_policy.cli bench --inputs trained --out "$out/trained" 2>&1 | tee "$out/trained/bench.log" || status=1
+      # issue 26's rows (the floor always runs): one call holds training and bench, inside 10 minutes
+      python3 -m flce_policy.cli bench --inputs trained --methods ours_default_bf16 liger_c16_bf16 'cce*' \
+        --out "$out/trained" 2>&1 | tee "$out/trained/bench.log" || status=1
       shift ;;
     quick)
       python3 -m flce_policy.benchmarks.quick "$2" "${@:3}" 2>&1 | tee "$out/quick.log" || status=1

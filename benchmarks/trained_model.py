@@ -185,7 +185,7 @@ def held_out_head_inputs(
     for start in range(0, need, config.batch_size):
         ids = seqs[start : start + config.batch_size].to(device)
         with _autocast(config, device):
-            states = model.model(input_ids=ids).last_hidden_state
+            states = model.model(input_ids=ids, use_cache=False).last_hidden_state
         hidden.append(states[:, :-1].reshape(-1, states.shape[-1]).to(torch.bfloat16))
         targets.append(ids[:, 1:].reshape(-1))
     model.train(was_training)
