@@ -3,7 +3,7 @@
     python -m flce_policy.benchmarks.trained_inputs --out DIR [--steps N] [--seed S] [--cache-dir D]
 
 Builds (or loads from the cache) the inputs, then writes to DIR: ``trained_inputs.json`` (the
-settings, the training's steps, seconds and loss curve, and the distribution report of
+settings, the training's seconds, first and final loss, and the distribution report of
 :mod:`.logit_stats` on the held-out inputs), ``loss_curve.json`` ([[step, loss], ...]) and
 ``loss_curve.png``. ``flce-policy bench --inputs trained`` runs every bench method on the same
 inputs.
@@ -13,6 +13,8 @@ A build: corpus (:mod:`.trained_corpus`) -> byte-level BPE (:mod:`.trained_token
 the targets [T], saved with the tokenizer, the training token counts and the loss curve in one
 ``torch.save`` file, ``<cache dir>/<cache_key>.pt`` (default ``~/.cache/flce-policy/trained-inputs``).
 A missing file is rebuilt; a present one is loaded as it is. The cache lies outside the repository.
+The key names the settings, not the machine: the corpus is whatever Python this machine holds, so a
+file carried from another machine is that machine's build (its JSON lists the files it read).
 """
 
 from __future__ import annotations
