@@ -14,7 +14,7 @@ the targets [T], saved with the tokenizer, the training token counts and the los
 ``torch.save`` file, ``<cache dir>/<cache_key>.pt`` (default ``~/.cache/flce-policy/trained-inputs``).
 A missing file is rebuilt; a present one is loaded as it is. The cache lies outside the repository.
 The key names the settings, not the machine: the corpus is whatever Python this machine holds, so a
-file carried from another machine is that machine's build (its JSON lists the files it read).
+file carried from another machine is that machine's build (the file lists the corpus files it read).
 """
 
 from __future__ import annotations
