@@ -34,9 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
+from flce_policy.plan.weight_filter import FILTER_COLS
+
 from .interpreter import KERNELS_INTERPRETED  # re-exported: where the tests have always imported it from
 from .row_partials import CEWorkspace
-from .weight_grad_filter import FILTER_COLS
 
 if TYPE_CHECKING:
     from .vocab_shard import VocabShard

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flce_policy.plan.weight_filter import FILTER_COLS, FILTER_ROWS
+
 from .interpreter import KERNELS_INTERPRETED
 
 if TYPE_CHECKING:
@@ -26,10 +28,6 @@ if TYPE_CHECKING:
 
 __all__ = ["FILTER_COLS", "FILTER_ROWS", "filter_flags", "filter_flags_for", "filtered_weight_grad"]
 
-#: Columns of G (rows of grad_weight) per flag and per program: the vocab side of a skipped tile.
-FILTER_COLS = 128
-#: Rows of a chunk per skip decision (counted from the chunk's first row): the token side of a skipped tile.
-FILTER_ROWS = 64
 #: grad_weight columns (hidden units) per program.
 _BLOCK_H = 128
 

@@ -11,7 +11,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["checked_filter_eps"]
+__all__ = ["FILTER_COLS", "FILTER_ROWS", "checked_filter_eps"]
+
+#: Classes per skip decision: columns of dL/dlogits (rows of grad_weight) per flag.
+FILTER_COLS = 128
+#: Token rows per skip decision, counted from each row chunk's first row.
+FILTER_ROWS = 64
 
 
 def checked_filter_eps(value: Any, name: str = "grad_weight_filter", *, text: bool = False) -> float | None:
