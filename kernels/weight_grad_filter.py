@@ -141,7 +141,7 @@ def filtered_weight_grad(
         flags,
         flags.stride(0),
         grad_weight,
-        grad_weight.stride(0),
+        0 if grad_weight is None else grad_weight.stride(0),
         grad_bias,
         n_rows,
         n_cols,

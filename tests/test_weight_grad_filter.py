@@ -143,12 +143,13 @@ def reference(
 def _tile_mask(keep: torch.Tensor, chunk: int, vocab_chunk: int) -> torch.Tensor:
     """``keep`` spread over its tiles: FILTER_ROWS rows counted from each chunk's start x FILTER_COLS classes
     counted from each vocab tile's start."""
+    device, keep = keep.device, keep.cpu()
     r, c = torch.arange(keep.shape[0]), torch.arange(keep.shape[1])
     _, row_tile = torch.unique(torch.stack([r // chunk, r % chunk // FILTER_ROWS]), dim=1, return_inverse=True)
     _, col_tile = torch.unique(torch.stack([c // vocab_chunk, c % vocab_chunk // FILTER_COLS]), dim=1, return_inverse=True)
     counts = torch.zeros(int(row_tile.max()) + 1, int(col_tile.max()) + 1, dtype=torch.float64)
     counts.index_put_((row_tile[:, None].expand_as(keep), col_tile[None, :].expand_as(keep)), keep.double(), accumulate=True)
-    return (counts > 0)[row_tile][:, col_tile].to(keep.device)
+    return (counts > 0)[row_tile][:, col_tile].to(device)
 
 
 def assert_same(filtered, dense) -> None:
@@ -262,3 +263,15 @@ def test_oom_fallback_keeps_the_filter():
     direct = run(t, policy=geometry(torch.float32, chunk=64), grad_weight_filter=EPS)
     assert_same(retried, direct)
     assert torch.equal(retried[2]["w"], direct[2]["w"]) and torch.equal(retried[2]["b"], direct[2]["b"])
+
+
+def test_bias_gradient_alone_is_filtered():
+    """A frozen head with a trained bias: the filtered kernel runs for grad_bias alone."""
+    t = leaves(peaked_inputs(seed=9), torch.float32)
+    t["w"].requires_grad_(False)
+    ref = reference(t, torch.float32, eps=EPS, chunk=64)
+    loss = fused_linear_cross_entropy(t["x"], t["w"], t["y"], t["b"], policy=geometry(torch.float32), grad_weight_filter=EPS)
+    grad_b = torch.autograd.grad(loss, t["b"])[0]
+    assert ref["kept_share"] < 0.9
+    assert rel_err(grad_b, ref["filtered_b"]) < FP32_TOL
+    assert rel_err(grad_b, ref["dense_b"]) > 1e-4
