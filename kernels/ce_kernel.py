@@ -545,6 +545,11 @@ def _filter_args(ws: CEWorkspace, flags: torch.Tensor | None, eps: float) -> dic
     """The finish kernel's filter arguments: none (the kernel as without a filter) when ``flags`` is None."""
     if flags is None:
         return {}
+    one_block = ws.segments_per_tile == 1 and ws.segment_len == ws.block_v
+    if ws.block_v < FILTER_COLS and not one_block:
+        # one block writes a flag whole (no atomics): a narrower block only when it is the whole tile, as
+        # MAX_BLOCK_V >= FILTER_COLS makes it (a test that lowers MAX_BLOCK_V below that gets this error)
+        raise ValueError(f"the grad_weight filter needs blocks of >= {FILTER_COLS} columns, got {ws.block_v}")
     return dict(
         flags_ptr=flags,
         flag_row_stride=flags.stride(0),

@@ -79,7 +79,7 @@ def _filtered_weight_grad_kernel(
         rows = k + tl.arange(0, BLOCK_K)
         row_mask = rows < n_rows
         flags = tl.load(flags_ptr + rows.to(tl.int64) * flag_stride + pid_v, mask=row_mask, other=0)
-        if tl.max(flags, axis=0) > 0:
+        if tl.max(flags.to(tl.int32), axis=0) > 0:
             g = tl.load(
                 grad_ptr + rows.to(tl.int64)[:, None] * grad_stride + cols[None, :],
                 mask=row_mask[:, None] & col_mask[None, :],

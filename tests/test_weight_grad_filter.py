@@ -275,3 +275,16 @@ def test_bias_gradient_alone_is_filtered():
     assert ref["kept_share"] < 0.9
     assert rel_err(grad_b, ref["filtered_b"]) < FP32_TOL
     assert rel_err(grad_b, ref["dense_b"]) > 1e-4
+
+
+@pytest.mark.parametrize("block", [128, 256])  # 4 blocks in 2 segments of a row; 2 blocks of 2 flags each
+def test_rows_in_several_blocks_and_segments(monkeypatch, block):
+    from flce_policy.kernels import ce_kernel
+
+    monkeypatch.setattr(ce_kernel, "MAX_BLOCK_V", block)
+    t = leaves(peaked_inputs(seed=10), torch.float32)
+    filtered = run(t, policy=geometry(torch.float32), grad_weight_filter=EPS)
+    ref = reference(t, torch.float32, eps=EPS, chunk=64)
+    assert ref["kept_share"] < 0.9
+    assert rel_err(filtered[2]["w"], ref["filtered_w"]) < FP32_TOL
+    assert rel_err(filtered[2]["b"], ref["filtered_b"]) < FP32_TOL
