@@ -19,7 +19,7 @@ from .ce_kernel import ce_finish, ce_partial, ce_workspace
 from .driver_call import ChunkEvent, DriverCall, DriverOutputs, _fault_hooks, _observers, before_chunk, notify
 from .gemm import accumulate_mm
 from .input_accumulator import InputAccumulator
-from .weight_grad_filter import filter_flags_for, filtered_weight_grad
+from .weight_grad_filter import filter_scratch_for, filtered_weight_grad
 
 __all__ = ["run_vocab_tiled"]
 
@@ -69,7 +69,7 @@ class _TiledRun:
             torch.empty((separate_rows, x.shape[1]), dtype=torch.float32, device=x.device) if separate_rows else None
         )
         self.first_late = len(self.tiles) - self.layout.late_tiles
-        self.flags = filter_flags_for(call, geometry.chunk_size, width)  # None: the dense GEMMs
+        self.filter = filter_scratch_for(call, geometry.chunk_size, width)  # None: the dense GEMMs
         self.shared = dict(
             ignore_index=params.ignore_index,
             label_smoothing=params.label_smoothing,
@@ -119,7 +119,7 @@ class _TiledRun:
             entropy_rows=None if entropy_rows is None else entropy_rows[rows],
             token_scaling=self.params.token_scaling,
             scale_per_row=scale_per_row,
-            filter_flags=self.flags,
+            filter_flags=None if self.filter is None else self.filter.flags,
             filter_eps=self.params.grad_weight_filter or 0.0,
             **self.shared,
         )
@@ -146,7 +146,7 @@ class _TiledRun:
                 accumulator.add(tile, self.weight[start:stop], first=tile_index == 0)
             if tile_index < self.first_late:
                 self.weight_grad(tile, x_chunk, start, stop, first=first_chunk)
-            if grad_bias is not None and self.flags is None:
+            if grad_bias is not None and self.filter is None:
                 grad_bias[start:stop] += tile.sum(dim=0, dtype=torch.float32)
         if accumulator is not None:
             accumulator.finish()
@@ -163,12 +163,12 @@ class _TiledRun:
     def weight_grad(self, tile: torch.Tensor, x_chunk: torch.Tensor, start: int, stop: int, *, first: bool) -> None:
         """A tile's share of grad_weight (cuBLAS), or with the filter of grad_weight and grad_bias (the filtered kernel)."""
         grad_weight, grad_bias = self.outputs.grad_weight, self.outputs.grad_bias
-        if self.flags is not None:
+        if self.filter is not None:
             filtered_weight_grad(
                 None if grad_weight is None else grad_weight[start:stop],
                 tile,
                 x_chunk,
-                self.flags,
+                self.filter,
                 first=first,
                 grad_bias=None if grad_bias is None else grad_bias[start:stop],
             )

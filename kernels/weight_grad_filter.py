@@ -5,15 +5,24 @@ dL/dlogits ``G`` hold only tiny values. The CE finish kernel (:mod:`flce_policy.
 writes one flag per row and ``FILTER_COLS`` columns: 1 when some column there has a per-token
 ``|p_c - [c == y]| >= eps`` (``p = softmax(z)``, ``z`` after the softcap; unscaled: the reduction,
 ``grad_output``, class weights, token scaling, z-loss and smoothing do not move it) or is the target.
-Here one program owns a ``[FILTER_COLS, BLOCK_H]`` tile of grad_weight and walks the chunk's rows
-in tiles of ``FILTER_ROWS``: a row tile whose flags for its columns are all 0 is neither loaded nor
-multiplied. A program that skips every row tile writes zeros on the first chunk and touches nothing
-on a later one (no read-modify-write). grad_input is not filtered: the driver keeps it dense.
+
+Two launches per chunk (and vocab tile):
+
+1. ``_kept_tiles_kernel``, one program per ``FILTER_COLS`` columns: the list of the chunk's row tiles
+   (``FILTER_ROWS`` rows each, from the chunk's first row) whose flags there are not all 0, and its length.
+2. ``_filtered_weight_grad_kernel``, one program per ``[FILTER_COLS, BLOCK_H]`` block of grad_weight:
+   ``G[tile, cols].T @ x[tile, h]`` summed over the listed row tiles only, in fp32. The loop has no
+   branch (the GPU pipelines its loads); a skipped tile is neither loaded nor multiplied. A block whose
+   list is empty is written as zeros on the first chunk and not touched on a later one (no
+   read-modify-write). The programs of one column block run side by side (the hidden blocks vary
+   fastest), so ``G``'s tiles are read from HBM about once and ``x``'s come from L2.
+
+grad_input is not filtered: the driver keeps it dense.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import triton
@@ -26,22 +35,48 @@ from .interpreter import KERNELS_INTERPRETED
 if TYPE_CHECKING:
     from .driver_call import DriverCall
 
-__all__ = ["FILTER_COLS", "FILTER_ROWS", "filter_flags", "filter_flags_for", "filtered_weight_grad"]
+__all__ = ["FilterScratch", "filter_scratch", "filter_scratch_for", "filtered_weight_grad"]
 
 #: grad_weight columns (hidden units) per program.
 _BLOCK_H = 128
 
 
-def filter_flags(rows: int, tile_cols: int, device: torch.device) -> torch.Tensor:
-    """The flags buffer for chunks of up to ``rows`` rows of a ``tile_cols``-column slab (uint8, unfilled)."""
-    return torch.empty((rows, triton.cdiv(tile_cols, FILTER_COLS)), dtype=torch.uint8, device=device)
+class FilterScratch(NamedTuple):
+    """A call's buffers for the filter, allocated once for its largest chunk and vocab tile (unfilled)."""
+
+    flags: torch.Tensor  # [rows, cdiv(tile_cols, FILTER_COLS)] uint8, written by the CE finish kernel
+    tiles: torch.Tensor  # [cdiv(tile_cols, FILTER_COLS), cdiv(rows, FILTER_ROWS)] int32: kept row tiles, listed
+    counts: torch.Tensor  # [cdiv(tile_cols, FILTER_COLS)] int32: how many are listed
 
 
-def filter_flags_for(call: DriverCall, rows: int, tile_cols: int) -> torch.Tensor | None:
-    """A driver call's flags buffer: None (the dense GEMMs) without a filter or without a weight or bias gradient."""
+def filter_scratch(rows: int, tile_cols: int, device: torch.device) -> FilterScratch:
+    """The filter's buffers for chunks of up to ``rows`` rows of a ``tile_cols``-column slab."""
+    col_blocks, row_tiles = triton.cdiv(tile_cols, FILTER_COLS), triton.cdiv(rows, FILTER_ROWS)
+    return FilterScratch(
+        torch.empty((rows, col_blocks), dtype=torch.uint8, device=device),
+        torch.empty((col_blocks, row_tiles), dtype=torch.int32, device=device),
+        torch.empty(col_blocks, dtype=torch.int32, device=device),
+    )
+
+
+def filter_scratch_for(call: DriverCall, rows: int, tile_cols: int) -> FilterScratch | None:
+    """A driver call's filter buffers: None (the dense GEMMs) without a filter or without a weight or bias gradient."""
     if call.params.grad_weight_filter is None or not (call.grads.weight or call.grads.bias):
         return None
-    return filter_flags(rows, tile_cols, call.x.device)
+    return filter_scratch(rows, tile_cols, call.x.device)
+
+
+@triton.jit
+def _kept_tiles_kernel(flags_ptr, flag_stride, tiles_ptr, tile_stride, counts_ptr, n_rows, BLOCK_K: tl.constexpr):
+    col_block = tl.program_id(0)
+    count = 0
+    for row_start in range(0, n_rows, BLOCK_K):
+        rows = row_start + tl.arange(0, BLOCK_K)
+        flags = tl.load(flags_ptr + rows.to(tl.int64) * flag_stride + col_block, mask=rows < n_rows, other=0)
+        if tl.max(flags.to(tl.int32), axis=0) > 0:
+            tl.store(tiles_ptr + col_block * tile_stride + count, row_start // BLOCK_K)
+            count += 1
+    tl.store(counts_ptr + col_block, count)
 
 
 @triton.jit
@@ -50,8 +85,9 @@ def _filtered_weight_grad_kernel(
     grad_stride,
     x_ptr,
     x_stride,
-    flags_ptr,
-    flag_stride,
+    tiles_ptr,
+    tile_stride,
+    counts_ptr,
     out_ptr,
     out_stride,
     bias_ptr,
@@ -66,40 +102,34 @@ def _filtered_weight_grad_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pid_v = tl.program_id(0)
-    pid_h = tl.program_id(1)
+    pid_h = tl.program_id(0)  # fastest: the programs of one column block share its G tiles in L2
+    pid_v = tl.program_id(1)
     cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)  # classes: columns of G, rows of grad_weight
     hs = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     col_mask = cols < n_cols
     h_mask = hs < hidden
+    k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_V, BLOCK_H], dtype=tl.float32)
     bias_acc = tl.zeros([BLOCK_V], dtype=tl.float32)
-    kept = 0
-    for k in range(0, n_rows, BLOCK_K):
-        rows = k + tl.arange(0, BLOCK_K)
+    kept = tl.load(counts_ptr + pid_v)
+    for i in range(0, kept):
+        rows = tl.load(tiles_ptr + pid_v * tile_stride + i).to(tl.int64) * BLOCK_K + k
         row_mask = rows < n_rows
-        flags = tl.load(flags_ptr + rows.to(tl.int64) * flag_stride + pid_v, mask=row_mask, other=0)
-        if tl.max(flags.to(tl.int32), axis=0) > 0:
-            g = tl.load(
-                grad_ptr + rows.to(tl.int64)[:, None] * grad_stride + cols[None, :],
-                mask=row_mask[:, None] & col_mask[None, :],
-                other=0.0,
-            )
-            if HAS_WEIGHT:
-                x = tl.load(
-                    x_ptr + rows.to(tl.int64)[:, None] * x_stride + hs[None, :],
-                    mask=row_mask[:, None] & h_mask[None, :],
-                    other=0.0,
-                )
-                if IEEE:
-                    # fp32 products, as cuBLAS gives torch's fp32 matmul (no TF32); also bf16/fp16 operands under
-                    # the interpreter, whose low-precision tl.dot is wrong (exact there: the products fit fp32)
-                    acc = tl.dot(tl.trans(g.to(tl.float32)), x.to(tl.float32), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(tl.trans(g), x, acc)
-            if HAS_BIAS:
-                bias_acc += tl.sum(g.to(tl.float32), axis=0)
-            kept += 1
+        g = tl.load(
+            grad_ptr + rows[:, None] * grad_stride + cols[None, :],
+            mask=row_mask[:, None] & col_mask[None, :],
+            other=0.0,
+        )
+        if HAS_WEIGHT:
+            x = tl.load(x_ptr + rows[:, None] * x_stride + hs[None, :], mask=row_mask[:, None] & h_mask[None, :], other=0.0)
+            if IEEE:
+                # fp32 products, as cuBLAS gives torch's fp32 matmul (no TF32); also bf16/fp16 operands under
+                # the interpreter, whose low-precision tl.dot is wrong (exact there: the products fit fp32)
+                acc = tl.dot(tl.trans(g.to(tl.float32)), x.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(tl.trans(g), x, acc)
+        if HAS_BIAS:
+            bias_acc += tl.sum(g.to(tl.float32), axis=0)
     if HAS_WEIGHT:
         out = out_ptr + cols.to(tl.int64)[:, None] * out_stride + hs[None, :]
         out_mask = col_mask[:, None] & h_mask[None, :]
@@ -118,7 +148,7 @@ def filtered_weight_grad(
     grad_weight: torch.Tensor | None,
     grad: torch.Tensor,
     x_chunk: torch.Tensor,
-    flags: torch.Tensor,
+    scratch: FilterScratch,
     *,
     first: bool,
     grad_bias: torch.Tensor | None = None,
@@ -126,20 +156,26 @@ def filtered_weight_grad(
     """``grad_weight (+)= G.T @ x_chunk`` and ``grad_bias += G.sum(0)`` over the flagged tiles of ``G``.
 
     ``grad [n, C]`` (a slab of dL/dlogits), ``x_chunk [n, H]``, ``grad_weight [C, H]`` (any float dtype,
-    row-contiguous; ``first`` overwrites it; None: grad_bias only), ``grad_bias [C]`` fp32, ``flags`` as
-    the finish kernel wrote them for ``grad``. Accumulates in fp32 and rounds once per call into ``grad_weight``.
+    row-contiguous; ``first`` overwrites it; None: grad_bias only), ``grad_bias [C]`` fp32, ``scratch``
+    holding the flags the finish kernel wrote for ``grad``. Accumulates in fp32 and rounds once per call
+    into ``grad_weight``.
     """
     n_rows, n_cols = grad.shape
+    col_blocks = triton.cdiv(n_cols, FILTER_COLS)
+    flags, tiles, counts = scratch
+    _kept_tiles_kernel[(col_blocks,)](
+        flags, flags.stride(0), tiles, tiles.stride(0), counts, n_rows, BLOCK_K=FILTER_ROWS, num_warps=1
+    )
     hidden = x_chunk.shape[1] if grad_weight is not None else 1
     block_h = min(_BLOCK_H, max(16, triton.next_power_of_2(hidden)))
-    grid = (triton.cdiv(n_cols, FILTER_COLS), triton.cdiv(hidden, block_h))
-    _filtered_weight_grad_kernel[grid](
+    _filtered_weight_grad_kernel[(triton.cdiv(hidden, block_h), col_blocks)](
         grad,
         grad.stride(0),
         x_chunk,
         x_chunk.stride(0),
-        flags,
-        flags.stride(0),
+        tiles,
+        tiles.stride(0),
+        counts,
         grad_weight,
         0 if grad_weight is None else grad_weight.stride(0),
         grad_bias,
