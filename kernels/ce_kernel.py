@@ -295,7 +295,9 @@ def _ce_finish_kernel(
                 tl.store(row_ptr + offs, tl.zeros([BLOCK_V], dtype=row_ptr.dtype.element_ty), mask=offs < col_stop)
                 if FILTER:  # an ignored row's gradient is 0: nothing of it reaches grad_weight
                     keep = tl.zeros([BLOCK_V], dtype=tl.int1)
-                    _store_flags(flags_ptr + row * flag_row_stride, keep, start, col_stop, BLOCK_V, FLAG_GROUPS, FLAG_COLS)
+                    _store_flags(
+                        flags_ptr + row * flag_row_stride, keep, start, col_stop, BLOCK_V, FLAG_GROUPS, FLAG_COLS
+                    )
     else:
         local_target = target - col_offset
         # Merge the row's partial log-sum-exps: lse = M + log(sum_s d_s * exp(m_s - M)).
@@ -369,7 +371,9 @@ def _ce_finish_kernel(
                     p = tl.exp(z - lse)
                     is_target = offs == local_target
                     keep = ((tl.abs(tl.where(is_target, p - 1.0, p)) >= filter_eps) | is_target) & mask
-                    _store_flags(flags_ptr + row * flag_row_stride, keep, start, col_stop, BLOCK_V, FLAG_GROUPS, FLAG_COLS)
+                    _store_flags(
+                        flags_ptr + row * flag_row_stride, keep, start, col_stop, BLOCK_V, FLAG_GROUPS, FLAG_COLS
+                    )
                 if HAS_SMOOTHING:
                     if HAS_WEIGHT:
                         w = tl.load(class_weight_ptr + col_offset + offs, mask=mask, other=0.0)

@@ -121,7 +121,9 @@ def _filtered_weight_grad_kernel(
             other=0.0,
         )
         if HAS_WEIGHT:
-            x = tl.load(x_ptr + rows[:, None] * x_stride + hs[None, :], mask=row_mask[:, None] & h_mask[None, :], other=0.0)
+            x = tl.load(
+                x_ptr + rows[:, None] * x_stride + hs[None, :], mask=row_mask[:, None] & h_mask[None, :], other=0.0
+            )
             if IEEE:
                 # fp32 products, as cuBLAS gives torch's fp32 matmul (no TF32); also bf16/fp16 operands under
                 # the interpreter, whose low-precision tl.dot is wrong (exact there: the products fit fp32)

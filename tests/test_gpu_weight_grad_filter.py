@@ -75,7 +75,8 @@ def test_filter_on_cuda(peaked, eps):
     dense_ref, filtered_ref, kept = _reference(x, w, y, eps)
     print(json.dumps({
         "test": "grad_weight_filter", "peaked": peaked, "eps": eps, "kept_tiles": kept,
-        "gw_err_filtered_vs_masked_ref": rel_l2(gw, filtered_ref), "gw_err_filtered_vs_dense_ref": rel_l2(gw, dense_ref),
+        "gw_err_filtered_vs_masked_ref": rel_l2(gw, filtered_ref),
+        "gw_err_filtered_vs_dense_ref": rel_l2(gw, dense_ref),
         "gw_err_dense_vs_dense_ref": rel_l2(dense_gw, dense_ref),
     }))  # fmt: skip
     assert rel_l2(gw, filtered_ref) < BF16_L2

@@ -1,4 +1,4 @@
-"""grad_weight_filter against plain torch: the skipped tiles' share is gone from grad_weight and grad_bias, nothing else moves.
+"""grad_weight_filter against plain torch: the skipped tiles' share leaves grad_weight and grad_bias, nothing else moves.
 
 The reference is fp64 torch on the same logits (the tensors' own GEMM, as the kernel's): dL/dlogits by
 autograd, the per-token ``|softmax - onehot|`` of the softcapped logits, and the skip rule applied to
@@ -15,9 +15,7 @@ import torch.nn.functional as F
 from test_loss_kernel import DEVICE, rel_err
 
 from flce_policy import fused_linear_cross_entropy
-from flce_policy.kernels.driver import inject_oom
 from flce_policy.plan.geometry import Geometry
-from flce_policy.plan.oom import OOMFallbackWarning
 from flce_policy.plan.problem import Problem
 from flce_policy.plan.weight_filter import FILTER_COLS, FILTER_ROWS
 
@@ -146,9 +144,13 @@ def _tile_mask(keep: torch.Tensor, chunk: int, vocab_chunk: int) -> torch.Tensor
     device, keep = keep.device, keep.cpu()
     r, c = torch.arange(keep.shape[0]), torch.arange(keep.shape[1])
     _, row_tile = torch.unique(torch.stack([r // chunk, r % chunk // FILTER_ROWS]), dim=1, return_inverse=True)
-    _, col_tile = torch.unique(torch.stack([c // vocab_chunk, c % vocab_chunk // FILTER_COLS]), dim=1, return_inverse=True)
+    _, col_tile = torch.unique(
+        torch.stack([c // vocab_chunk, c % vocab_chunk // FILTER_COLS]), dim=1, return_inverse=True
+    )
     counts = torch.zeros(int(row_tile.max()) + 1, int(col_tile.max()) + 1, dtype=torch.float64)
-    counts.index_put_((row_tile[:, None].expand_as(keep), col_tile[None, :].expand_as(keep)), keep.double(), accumulate=True)
+    counts.index_put_(
+        (row_tile[:, None].expand_as(keep), col_tile[None, :].expand_as(keep)), keep.double(), accumulate=True
+    )
     return (counts > 0)[row_tile][:, col_tile].to(device)
 
 
@@ -208,7 +210,9 @@ def test_softcap_smoothing_class_weights_z_loss_token_scaling(reduction):
     drops all of its gradient (the smoothing's uniform term too)."""
     t = leaves(peaked_inputs(seed=3), torch.float32)
     options = dict(reduction=reduction, label_smoothing=0.05, softcap=6.0, z_loss_scale=1e-3, use_token_scaling=True)
-    grad_output = torch.randn(BT, generator=torch.Generator().manual_seed(4)).to(DEVICE) if reduction == "none" else None
+    grad_output = (
+        torch.randn(BT, generator=torch.Generator().manual_seed(4)).to(DEVICE) if reduction == "none" else None
+    )
     policy = geometry(torch.float32)
     dense = run(t, grad_output, class_weight=True, policy=policy, **options)
     filtered = run(t, grad_output, class_weight=True, policy=policy, grad_weight_filter=EPS, **options)
@@ -234,57 +238,9 @@ def test_fp32_accumulation_over_bf16_chunks():
     assert rel_err(filtered[2]["w"], ref["filtered_w"]) < BF16_TOL
 
 
-@pytest.mark.parametrize("chunk", [64, BT])  # BT: one row chunk, where the last vocab tiles are computed late
-def test_vocab_tiled_geometry(chunk):
-    t = leaves(peaked_inputs(seed=6), torch.float32)
-    policy = geometry(torch.float32, chunk=chunk, vocab_chunk=256)
-    dense = run(t, policy=policy)
-    filtered = run(t, policy=policy, grad_weight_filter=EPS)
-    ref = reference(t, torch.float32, eps=EPS, chunk=chunk, vocab_chunk=256)
-    assert ref["kept_share"] < 0.9
-    assert_same(filtered, dense)
-    assert rel_err(filtered[2]["w"], ref["filtered_w"]) < FP32_TOL
-    assert rel_err(filtered[2]["b"], ref["filtered_b"]) < FP32_TOL
-
-
 def test_zero_eps_is_the_dense_path():
     t = leaves(peaked_inputs(seed=7), torch.float32)
     dense = run(t, policy=geometry(torch.float32))
     zero = run(t, policy=geometry(torch.float32), grad_weight_filter=0.0)
     assert_same(zero, dense)
     assert torch.equal(zero[2]["w"], dense[2]["w"]) and torch.equal(zero[2]["b"], dense[2]["b"])
-
-
-def test_oom_fallback_keeps_the_filter():
-    """A slab that does not fit is retried at half the rows: the result is the filtered run at that size."""
-    t = leaves(peaked_inputs(seed=8), torch.float32)
-    with inject_oom(above_rows=64), pytest.warns(OOMFallbackWarning):
-        retried = run(t, policy=geometry(torch.float32, chunk=BT), grad_weight_filter=EPS)
-    direct = run(t, policy=geometry(torch.float32, chunk=64), grad_weight_filter=EPS)
-    assert_same(retried, direct)
-    assert torch.equal(retried[2]["w"], direct[2]["w"]) and torch.equal(retried[2]["b"], direct[2]["b"])
-
-
-def test_bias_gradient_alone_is_filtered():
-    """A frozen head with a trained bias: the filtered kernel runs for grad_bias alone."""
-    t = leaves(peaked_inputs(seed=9), torch.float32)
-    t["w"].requires_grad_(False)
-    ref = reference(t, torch.float32, eps=EPS, chunk=64)
-    loss = fused_linear_cross_entropy(t["x"], t["w"], t["y"], t["b"], policy=geometry(torch.float32), grad_weight_filter=EPS)
-    grad_b = torch.autograd.grad(loss, t["b"])[0]
-    assert ref["kept_share"] < 0.9
-    assert rel_err(grad_b, ref["filtered_b"]) < FP32_TOL
-    assert rel_err(grad_b, ref["dense_b"]) > 1e-4
-
-
-@pytest.mark.parametrize("block", [128, 256])  # 4 blocks in 2 segments of a row; 2 blocks of 2 flags each
-def test_rows_in_several_blocks_and_segments(monkeypatch, block):
-    from flce_policy.kernels import ce_kernel
-
-    monkeypatch.setattr(ce_kernel, "MAX_BLOCK_V", block)
-    t = leaves(peaked_inputs(seed=10), torch.float32)
-    filtered = run(t, policy=geometry(torch.float32), grad_weight_filter=EPS)
-    ref = reference(t, torch.float32, eps=EPS, chunk=64)
-    assert ref["kept_share"] < 0.9
-    assert rel_err(filtered[2]["w"], ref["filtered_w"]) < FP32_TOL
-    assert rel_err(filtered[2]["b"], ref["filtered_b"]) < FP32_TOL

@@ -124,7 +124,8 @@ def predict_seconds(
     terms = {
         "gemm": (gemms - 1 if filtered else gemms) * one_gemm,
         # the filtered grad_weight GEMM, and its flags: one byte per row and 128 classes, written and read
-        "grad_weight_filtered": kept * one_gemm / rates.filtered_gemm_efficiency + 2 * p.tokens * p.vocab / FILTER_COLS / hbm
+        "grad_weight_filtered": kept * one_gemm / rates.filtered_gemm_efficiency
+        + 2 * p.tokens * p.vocab / FILTER_COLS / hbm
         if filtered
         else 0.0,
         "grad_weight_rmw": kept * (geometry.num_chunks - 1) * 2 * weight_elems * accum_item / rmw_bandwidth,
