@@ -161,7 +161,7 @@ class _TiledRun:
                 self.weight_grad(tile, x_chunk, start, stop, first=True)
 
     def weight_grad(self, tile: torch.Tensor, x_chunk: torch.Tensor, start: int, stop: int, *, first: bool) -> None:
-        """A tile's share of grad_weight (cuBLAS); with the filter, of grad_weight and grad_bias (the filtered kernel)."""
+        """A tile's share of grad_weight (cuBLAS); with the filter, of grad_weight and grad_bias (its kernel)."""
         grad_weight, grad_bias = self.outputs.grad_weight, self.outputs.grad_bias
         if self.filter is not None:
             filtered_weight_grad(

@@ -1,4 +1,4 @@
-"""grad_weight_filter against plain torch: the skipped tiles' share leaves grad_weight and grad_bias, nothing else moves.
+"""grad_weight_filter against plain torch: the skipped tiles leave grad_weight and grad_bias, nothing else moves.
 
 The reference is fp64 torch on the same logits (the tensors' own GEMM, as the kernel's): dL/dlogits by
 autograd, the per-token ``|softmax - onehot|`` of the softcapped logits, and the skip rule applied to
