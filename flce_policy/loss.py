@@ -65,6 +65,7 @@ def fused_linear_cross_entropy(
     tp_grad_input: GradInputMode = "full",
     return_entropy: bool = False,
     softcap_rounding: SoftcapRounding = "fp32",
+    grad_weight_filter: float | None = None,
 ) -> torch.Tensor | FLCEOutput:
     """``cross_entropy(input @ weight.T + bias, target)`` without materialising the logits.
 
@@ -111,6 +112,15 @@ def fused_linear_cross_entropy(
             is vocab parallel only with a DTensor ``input`` (as a ``ColwiseParallel`` module passes);
             with a plain input it is refused as a shard (an FSDP2 parameter outside its forward,
             say), naming the fix.
+        grad_weight_filter: eps (e.g. ``2**-12``): grad_weight and grad_bias take only the tiles of
+            dL/dlogits (64 rows of a chunk x 128 classes) in which some token's ``|p_c - [c == y]|`` is
+            ``>= eps`` or that hold a target; ``p = softmax(z)``, ``z`` after the softcap, before every
+            scale (reduction, ``grad_output``, class weight, token scaling, z-loss), so the threshold is
+            per token. The loss, every extra and grad_input are bit for bit the unfiltered call's. With
+            ``label_smoothing`` the threshold ignores the smoothing too, and a skipped tile drops its
+            uniform ``-eps_ls/V`` term. None (default): the policy rule's ``grad_weight_filter`` (none
+            unless a rule sets one: the dense path); a number here wins over the policy's, and ``0``
+            (nothing skipped) runs the dense path. See docs/grad_weight_filter.md.
         tp_grad_input: ``"full"`` (default) returns the input gradient summed over the group
             (one all-reduce in backward); ``"partial"`` this rank's share, for a caller whose own
             parallel region all-reduces it.
@@ -133,6 +143,7 @@ def fused_linear_cross_entropy(
         use_token_scaling=use_token_scaling,
         return_predicted_tokens=return_predicted_tokens,
         return_entropy=return_entropy,
+        grad_weight_filter=grad_weight_filter,
     )
     compute_dtype = autocast_dtype(input, weight, bias)
     # A Shard(0) DTensor weight is a tensor-parallel head when the input is a (replicated) DTensor

@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flce_policy.plan.weight_filter import FILTER_COLS
+
 from .interpreter import KERNELS_INTERPRETED  # re-exported: where the tests have always imported it from
 from .row_partials import CEWorkspace
 
@@ -261,6 +263,12 @@ def _ce_finish_kernel(
     BLOCK_V: tl.constexpr,
     entropy_ptr=None,
     ENTROPY: tl.constexpr = False,
+    flags_ptr=None,
+    flag_row_stride=0,
+    filter_eps=0.0,
+    FILTER: tl.constexpr = False,
+    FLAG_GROUPS: tl.constexpr = 1,
+    FLAG_COLS: tl.constexpr = 128,
 ):
     # Walk the programs in the reverse of the partial kernel's order: the segments it read last
     # are the ones still in L2, so the second read of the slab starts with cache hits.
@@ -285,6 +293,11 @@ def _ce_finish_kernel(
             for start in range(col_start, col_stop, BLOCK_V):
                 offs = start + cols
                 tl.store(row_ptr + offs, tl.zeros([BLOCK_V], dtype=row_ptr.dtype.element_ty), mask=offs < col_stop)
+                if FILTER:  # an ignored row's gradient is 0: nothing of it reaches grad_weight
+                    keep = tl.zeros([BLOCK_V], dtype=tl.int1)
+                    _store_flags(
+                        flags_ptr + row * flag_row_stride, keep, start, col_stop, BLOCK_V, FLAG_GROUPS, FLAG_COLS
+                    )
     else:
         local_target = target - col_offset
         # Merge the row's partial log-sum-exps: lse = M + log(sum_s d_s * exp(m_s - M)).
@@ -351,6 +364,16 @@ def _ce_finish_kernel(
                     z, t = _softcap_zt(z, softcap, row_ptr.dtype.element_ty, ROUND_SOFTCAP)
                 grad = coef_p * tl.exp(z - lse)
                 grad = tl.where(offs == local_target, grad - coef_y, grad)
+                if FILTER:
+                    # The skip rule reads the per-token |p_c - [c == y]|, before every scale of the row (the
+                    # reduction's, grad_output, class weight, token scaling, z-loss, smoothing, softcap's
+                    # chain rule); the target's column always counts.
+                    p = tl.exp(z - lse)
+                    is_target = offs == local_target
+                    keep = ((tl.abs(tl.where(is_target, p - 1.0, p)) >= filter_eps) | is_target) & mask
+                    _store_flags(
+                        flags_ptr + row * flag_row_stride, keep, start, col_stop, BLOCK_V, FLAG_GROUPS, FLAG_COLS
+                    )
                 if HAS_SMOOTHING:
                     if HAS_WEIGHT:
                         w = tl.load(class_weight_ptr + col_offset + offs, mask=mask, other=0.0)
@@ -372,6 +395,19 @@ def _ce_finish_kernel(
                     else:
                         grad = grad * (1.0 - t * t)
                 tl.store(row_ptr + offs, grad.to(row_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_flags(
+    flag_row_ptr, keep, start, col_stop, BLOCK_V: tl.constexpr, GROUPS: tl.constexpr, FLAG_COLS: tl.constexpr
+):
+    """One uint8 per ``FLAG_COLS`` columns of the ``BLOCK_V`` block at ``start``: 1 where some column is kept.
+
+    ``GROUPS`` is ``BLOCK_V // FLAG_COLS`` (1 when the block is narrower: then the whole tile is).
+    """
+    flags = tl.max(tl.reshape(keep.to(tl.int32), (GROUPS, BLOCK_V // GROUPS)), axis=1)
+    index = start // FLAG_COLS + tl.arange(0, GROUPS)
+    tl.store(flag_row_ptr + index, flags.to(tl.uint8), mask=index * FLAG_COLS < col_stop)
 
 
 def _flags(
@@ -459,10 +495,15 @@ def ce_finish(
     grad_scale: torch.Tensor | None = None,
     scale_per_row: bool = False,
     entropy_rows: torch.Tensor | None = None,
+    filter_flags: torch.Tensor | None = None,
+    filter_eps: float = 0.0,
 ) -> None:
     """Pass 2 over one tile, after pass 1 saw every tile: the rows' losses and the tile's gradient.
 
     ``entropy_rows`` (fp32, written with the losses) receives each row's entropy in nats, 0 where ignored.
+    ``filter_flags`` (uint8 ``[>= n, cdiv(tile, FILTER_COLS)]``, with the gradient only) receives per row
+    and ``FILTER_COLS`` columns of the tile a 1 where some ``|p_c - [c == y]| >= filter_eps`` or the
+    target lies (:mod:`flce_policy.kernels.weight_grad_filter`), a 0 elsewhere and on ignored rows.
     """
     n_rows, n_cols = logits.shape
     ws = workspace
@@ -497,9 +538,29 @@ def ce_finish(
         TOKEN_SCALING=token_scaling,
         entropy_ptr=entropy_rows,
         ENTROPY=entropy_rows is not None,
+        **_filter_args(ws, filter_flags if write_grad else None, filter_eps),
         # eager PyTorch's tanh backward rounds each op on CUDA, not on the CPU (the interpreter's tests)
         TANH_GRAD_PER_OP=logits.is_cuda,
         **_flags(ws, logits, class_weight, label_smoothing, softcap, round_softcap, argmax_rows is not None),
+    )
+
+
+def _filter_args(ws: CEWorkspace, flags: torch.Tensor | None, eps: float) -> dict:
+    """The finish kernel's filter arguments: none (the kernel as without a filter) when ``flags`` is None."""
+    if flags is None:
+        return {}
+    one_block = ws.segments_per_tile == 1 and ws.segment_len == ws.block_v
+    if ws.block_v < FILTER_COLS and not one_block:
+        # one block writes a flag whole (no atomics): a narrower block only when it is the whole tile, as
+        # MAX_BLOCK_V >= FILTER_COLS makes it (a test that lowers MAX_BLOCK_V below that gets this error)
+        raise ValueError(f"the grad_weight filter needs blocks of >= {FILTER_COLS} columns, got {ws.block_v}")
+    return dict(
+        flags_ptr=flags,
+        flag_row_stride=flags.stride(0),
+        filter_eps=float(eps),
+        FILTER=True,
+        FLAG_GROUPS=max(ws.block_v // FILTER_COLS, 1),
+        FLAG_COLS=FILTER_COLS,
     )
 
 
@@ -522,6 +583,8 @@ def ce_rows(
     scale_per_row: bool = False,
     shard: VocabShard | None = None,
     entropy_rows: torch.Tensor | None = None,
+    filter_flags: torch.Tensor | None = None,
+    filter_eps: float = 0.0,
 ) -> None:
     """Per-row loss of ``logits [n, V]`` (fp32 into ``loss_rows [n]``); gradient in place when ``grad_scale``.
 
@@ -534,7 +597,7 @@ def ce_rows(
     each row's loss and gradient by its detached ``p_target``. Nothing is checked here: the driver
     calls it once per chunk. With a ``shard`` (tensor parallel) ``logits`` are this rank's columns
     of the vocabulary: the rows' partials are merged over the group between the two passes, and
-    ``class_weight`` is the whole vocabulary's.
+    ``class_weight`` is the whole vocabulary's. ``filter_flags``/``filter_eps``: see :func:`ce_finish`.
     """
     shared = dict(
         ignore_index=ignore_index,
@@ -563,5 +626,7 @@ def ce_rows(
         grad_scale=grad_scale,
         scale_per_row=scale_per_row,
         entropy_rows=entropy_rows,
+        filter_flags=filter_flags,
+        filter_eps=filter_eps,
         **shared,
     )

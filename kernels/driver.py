@@ -1,7 +1,9 @@
 """The chunk driver: runs one validated Geometry over the BT rows, exactly as given.
 
 Per chunk: logits = x_c @ W.T (+ b) into the reused slab; the CE kernel turns the slab into
-dL/dlogits in place; then grad_input_c = G @ W, grad_weight += G.T @ x_c, grad_bias += sum(G).
+dL/dlogits in place; then grad_input_c = G @ W, grad_weight += G.T @ x_c, grad_bias += sum(G)
+(with ``params.grad_weight_filter`` the last two over G's flagged tiles only:
+:mod:`flce_policy.kernels.weight_grad_filter`).
 The driver decides nothing about the geometry: it is handed one and runs it.
 """
 
@@ -27,6 +29,7 @@ from .driver_call import (
 )
 from .gemm import accumulate_mm
 from .vocab_tiled import run_vocab_tiled
+from .weight_grad_filter import filter_scratch_for, filtered_weight_grad
 
 # The call and event types and the test hooks live below both drivers (driver_call); re-exported as the driver's API.
 __all__ = [
@@ -94,6 +97,7 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
     slab = torch.empty((chunk_size, geometry.vocab_chunk), dtype=x.dtype, device=x.device)
     workspace = ce_workspace(chunk_size, geometry.vocab_chunk, x.device, entropy=entropy_rows is not None)
     weight_t = weight.t()
+    scratch = filter_scratch_for(call, chunk_size, geometry.vocab_chunk)  # None: the dense GEMMs
     for index in range(geometry.num_chunks):
         if _fault_hooks:
             before_chunk(geometry, index)
@@ -122,13 +126,17 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
             scale_per_row=scale_per_row,
             shard=params.shard,
             entropy_rows=None if entropy_rows is None else entropy_rows[start:stop],
+            filter_flags=None if scratch is None else scratch.flags,
+            filter_eps=params.grad_weight_filter or 0.0,
         )
         if grad_input is not None:
-            torch.mm(logits, weight, out=grad_input[start:stop])
-        if grad_weight is not None:
+            torch.mm(logits, weight, out=grad_input[start:stop])  # dense whatever the filter
+        if scratch is not None:
+            filtered_weight_grad(grad_weight, logits, x_chunk, scratch, first=index == 0, grad_bias=grad_bias)
+        elif grad_weight is not None:
             # The first chunk overwrites (beta=0): no zero-fill of a parameter-sized buffer.
             accumulate_mm(grad_weight, logits.t(), x_chunk, first=index == 0)
-        if grad_bias is not None:
+        if grad_bias is not None and scratch is None:
             grad_bias += logits.sum(dim=0, dtype=torch.float32)
         if _observers:
             notify(ChunkEvent(index, start, stop - start, tuple(slab.shape), slab.numel() * slab.element_size()))

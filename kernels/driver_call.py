@@ -45,6 +45,9 @@ class CEParams:
     entropy: bool = False  # each row's entropy of softmax(z) into DriverOutputs.entropy_rows
     #: This rank's slice of a vocab-parallel head; the rows' partials are merged over its group per chunk.
     shard: VocabShard | None = None
+    #: eps of the grad_weight filter (> 0), or None for the dense GEMM: grad_weight and grad_bias take only the
+    #: tiles of dL/dlogits where some |p - onehot| >= eps (flce_policy.kernels.weight_grad_filter).
+    grad_weight_filter: float | None = None
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,7 @@ def _halved(original: Geometry, current: Geometry, floor: int) -> Geometry | Non
         max(current.chunk_size // 2, floor),
         vocab_chunk=current.vocab_chunk,  # halve the rows only: a vocab tile stays as the strategy chose it
         accum_dtype=current.accum_dtype,
+        grad_weight_filter=current.grad_weight_filter,  # remembered by the policy: keep the rule's filter
         strategy=f"oom fallback from {original.chunk_size} rows ({original.strategy})",
         rule=original.rule,
     )

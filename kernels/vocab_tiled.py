@@ -19,6 +19,7 @@ from .ce_kernel import ce_finish, ce_partial, ce_workspace
 from .driver_call import ChunkEvent, DriverCall, DriverOutputs, _fault_hooks, _observers, before_chunk, notify
 from .gemm import accumulate_mm
 from .input_accumulator import InputAccumulator
+from .weight_grad_filter import filter_scratch_for, filtered_weight_grad
 
 __all__ = ["run_vocab_tiled"]
 
@@ -68,6 +69,7 @@ class _TiledRun:
             torch.empty((separate_rows, x.shape[1]), dtype=torch.float32, device=x.device) if separate_rows else None
         )
         self.first_late = len(self.tiles) - self.layout.late_tiles
+        self.filter = filter_scratch_for(call, geometry.chunk_size, width)  # None: the dense GEMMs
         self.shared = dict(
             ignore_index=params.ignore_index,
             label_smoothing=params.label_smoothing,
@@ -117,6 +119,8 @@ class _TiledRun:
             entropy_rows=None if entropy_rows is None else entropy_rows[rows],
             token_scaling=self.params.token_scaling,
             scale_per_row=scale_per_row,
+            filter_flags=None if self.filter is None else self.filter.flags,
+            filter_eps=self.params.grad_weight_filter or 0.0,
             **self.shared,
         )
 
@@ -140,17 +144,33 @@ class _TiledRun:
             tile = self.grad_tile(x_chunk, target_chunk, loss_rows, finish, start, stop, write_loss=tile_index == 0)
             if accumulator is not None:
                 accumulator.add(tile, self.weight[start:stop], first=tile_index == 0)
-            if grad_weight is not None and tile_index < self.first_late:
-                accumulate_mm(grad_weight[start:stop], tile.t(), x_chunk, first=first_chunk)
-            if grad_bias is not None:
+            if tile_index < self.first_late:
+                self.weight_grad(tile, x_chunk, start, stop, first=first_chunk)
+            if grad_bias is not None and self.filter is None:
                 grad_bias[start:stop] += tile.sum(dim=0, dtype=torch.float32)
         if accumulator is not None:
             accumulator.finish()
         if self.layout.late_tiles:
             # The borrowed grad_weight rows are free now: the last tile is still in the slab, the
             # other late tiles are computed again. (Late tiles exist only with one row chunk.)
+            # Their flags are still those of the tile in the slab: the last one, or the one just recomputed.
             start, stop = self.tiles[-1]
-            accumulate_mm(grad_weight[start:stop], tile.t(), x_chunk, first=True)
+            self.weight_grad(tile, x_chunk, start, stop, first=True)
             for start, stop in self.tiles[self.first_late : -1]:
                 tile = self.grad_tile(x_chunk, target_chunk, loss_rows, finish, start, stop, write_loss=False)
-                accumulate_mm(grad_weight[start:stop], tile.t(), x_chunk, first=True)
+                self.weight_grad(tile, x_chunk, start, stop, first=True)
+
+    def weight_grad(self, tile: torch.Tensor, x_chunk: torch.Tensor, start: int, stop: int, *, first: bool) -> None:
+        """A tile's share of grad_weight (cuBLAS); with the filter, of grad_weight and grad_bias (its kernel)."""
+        grad_weight, grad_bias = self.outputs.grad_weight, self.outputs.grad_bias
+        if self.filter is not None:
+            filtered_weight_grad(
+                None if grad_weight is None else grad_weight[start:stop],
+                tile,
+                x_chunk,
+                self.filter,
+                first=first,
+                grad_bias=None if grad_bias is None else grad_bias[start:stop],
+            )
+        elif grad_weight is not None:
+            accumulate_mm(grad_weight[start:stop], tile.t(), x_chunk, first=first)

@@ -328,6 +328,40 @@ def _hf_colwise_head(rank, world):
         assert_close(grad, p.grad, FP32_TOL, f"grad {name}")
 
 
+def _grad_weight_filter(rank, world):
+    """The filter on a shard: tiles of the shard's own columns; loss and grad_input bit for bit the unfiltered
+    call's, the shard's grad_weight/bias the fp64 reference's over the kept tiles (the shards past the targets'
+    classes skip all or part of theirs)."""
+    from test_weight_grad_filter import _tile_mask
+
+    eps = 0.01
+    inputs = make_inputs(BT, H, V)
+    x_full, w_full = inputs["x"], 0.3 * inputs["w"]
+    b_full = torch.linspace(3.0, -9.0, V)
+    y = torch.randint(0, 30, (BT,), generator=torch.Generator().manual_seed(9))  # every target in the first shard
+    start, stop = _shard_range(rank, world)
+    results = []
+    for filter_eps in (None, eps):
+        x = x_full.clone().requires_grad_()
+        w = w_full[start:stop].clone().requires_grad_()
+        b = b_full[start:stop].clone().requires_grad_()
+        loss = fused_linear_cross_entropy(
+            x, w, y, b, policy=CHUNKS, tp_group=dist.group.WORLD, grad_weight_filter=filter_eps
+        )
+        results.append((loss.detach(), *torch.autograd.grad(loss, (x, w, b))))
+    (dense_loss, dense_gx, _, _), (loss, gx, gw, gb) = results
+    assert torch.equal(loss, dense_loss) and torch.equal(gx, dense_gx)
+    logits = (x_full.double() @ w_full.double().T + b_full.double()).requires_grad_()
+    (grad,) = torch.autograd.grad(torch.nn.functional.cross_entropy(logits, y), logits)
+    p = logits.detach().softmax(-1)
+    onehot = torch.nn.functional.one_hot(y, V).double()
+    keep = ((p - onehot).abs() >= eps) | (onehot > 0)
+    mask = _tile_mask(keep[:, start:stop], CHUNKS.chunk_size, stop - start)
+    shard_grad = grad[:, start:stop] * mask
+    assert_close(gw, shard_grad.T @ x_full.double(), FP32_TOL, "grad_weight (shard, filtered)")
+    assert_close(gb, shard_grad.sum(0), FP32_TOL, "grad_bias (shard, filtered)")
+
+
 CHECKS: dict[str, Callable[[int, int], None]] = {
     "hf_colwise_head": _hf_colwise_head,
     **{
@@ -345,13 +379,14 @@ CHECKS: dict[str, Callable[[int, int], None]] = {
     "dtensor_colwise": _dtensor_colwise,
     "group_of_one": _group_of_one,
     "bad_input": _bad_input,
+    "grad_weight_filter": _grad_weight_filter,
 }
 
 
 #: Three ranks (a middle shard with offsets on both sides) run the combined cases only, to keep CI short.
 THREE_RANK_CHECKS = (
     "everything-mean", "everything-sum", "everything-none", "smoothing_class_weight-mean", "token_scaling-none",
-    "extras_and_ties", "vocab_tiled", "chunk_sizes_agree", "dtensor_colwise", "bad_input",
+    "extras_and_ties", "vocab_tiled", "chunk_sizes_agree", "dtensor_colwise", "bad_input", "grad_weight_filter",
 )  # fmt: skip
 CHECKS_BY_WORLD = {2: tuple(CHECKS), 3: THREE_RANK_CHECKS}
 

@@ -48,6 +48,8 @@ def _ce_params(options: LossOptions) -> CEParams:
         token_scaling=options.use_token_scaling,
         shard=options.vocab_shard,
         entropy=options.return_entropy,
+        # 0 skips nothing: the dense GEMMs, not a kernel that would take every tile
+        grad_weight_filter=options.grad_weight_filter or None,
     )
 
 

@@ -80,7 +80,7 @@ _LIB.define(
 _FIELDS = (
     "policy_key", "rows", "vocab_chunk", "accum",
     "reduction", "ignore_index", "label_smoothing", "softcap", "softcap_rounding", "z_loss_scale",
-    "token_accuracy", "predicted_tokens", "token_scaling", "accum_dtype", "entropy",
+    "token_accuracy", "predicted_tokens", "token_scaling", "accum_dtype", "entropy", "grad_weight_filter",
     "compute_dtype", "want_input", "want_weight", "want_bias",
 )  # fmt: skip
 _DTYPE_FIELDS = ("accum_dtype", "compute_dtype")
@@ -113,7 +113,8 @@ class _Config:
     def plan(
         self, geometry: Geometry | None, bias: torch.Tensor | None, weight: torch.Tensor
     ) -> tuple[LossOptions, GradRequest]:
-        key = (None if geometry is None else geometry.accum_dtype, bias is not None, weight.dtype)
+        planned = (None, None) if geometry is None else (geometry.accum_dtype, geometry.grad_weight_filter)
+        key = (planned, bias is not None, weight.dtype)
         found = self._followed.get(key)
         if found is None:
             options = self.options if geometry is None else self.options.following(geometry)
@@ -144,6 +145,7 @@ def _decode(config: str) -> _Config:
         use_token_scaling=values["token_scaling"],
         accum_dtype=values["accum_dtype"],
         return_entropy=values["entropy"],
+        grad_weight_filter=values["grad_weight_filter"],
     )
     return _Config(
         policy=(values["policy_key"], values["rows"], values["vocab_chunk"], values["accum"]),
@@ -382,10 +384,13 @@ def compiled_loss(
     from flce_policy.engine.policy import FLCEPolicy
 
     rows, vocab_chunk, accum = 0, 0, ""
+    grad_weight_filter = options.grad_weight_filter
     if isinstance(policy, Geometry):
         policy.check_tensors(x, weight, compute_dtype)
         rows, vocab_chunk, accum = policy.chunk_size, policy.vocab_chunk, policy.accum_dtype or ""
         key = DEFAULT_POLICY_KEY
+        if grad_weight_filter is None:  # the given Geometry's filter; an FLCEPolicy's is followed inside the op
+            grad_weight_filter = policy.grad_weight_filter
     elif policy is None or isinstance(policy, FLCEPolicy):
         key = policy_key(policy)
     else:
@@ -401,7 +406,7 @@ def compiled_loss(
         options.reduction, options.ignore_index, float(options.label_smoothing),
         None if options.softcap is None else float(options.softcap), options.softcap_rounding,
         float(options.z_loss_scale), options.return_token_accuracy, options.return_predicted_tokens,
-        options.use_token_scaling, options.accum_dtype, options.return_entropy,
+        options.use_token_scaling, options.accum_dtype, options.return_entropy, grad_weight_filter,
         compute_dtype, *wants,
     )  # fmt: skip
     out = _CompiledLoss.apply(x, weight, bias, target, class_weight, config, options.reduction == "none", wants)

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from flce_policy.plan.weight_filter import checked_filter_eps
+
 if TYPE_CHECKING:
     from flce_policy.plan.geometry import Geometry
 
@@ -37,6 +39,8 @@ class LossOptions:
     use_token_scaling: bool = False
     return_predicted_tokens: bool = False
     return_entropy: bool = False
+    #: eps of the grad_weight filter; None follows the policy's rule (itself None by default: dense).
+    grad_weight_filter: float | None = None
     #: Set by the loss for a vocab-parallel head (``tp_group``, or a ``Shard(0)`` DTensor weight):
     #: this rank's :class:`flce_policy.kernels.vocab_shard.VocabShard`. Not a caller's option.
     vocab_shard: Any = None
@@ -64,17 +68,21 @@ class LossOptions:
         ):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        object.__setattr__(self, "grad_weight_filter", checked_filter_eps(self.grad_weight_filter))
         if self.accum_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(
                 f"accum_dtype must be None, torch.float32, torch.bfloat16 or torch.float16; got {self.accum_dtype!r}"
             )
 
     def following(self, geometry: Geometry) -> LossOptions:
-        """These options with the grad_weight accumulator ``geometry`` planned (none given here).
+        """These options with the grad_weight accumulator ``geometry`` planned (none given here), and
+        its grad_weight filter (a policy rule's) unless the call gave one: the call's keyword wins.
 
         ValueError when the call asked for a different accumulator than the one planned: the
         geometry's predicted peak and time assume the planned one.
         """
+        if self.grad_weight_filter is None and geometry.grad_weight_filter is not None:
+            return dataclasses.replace(self, grad_weight_filter=geometry.grad_weight_filter).following(geometry)
         if geometry.accum_dtype is None:
             return self
         planned = getattr(torch, geometry.accum_dtype)

@@ -327,6 +327,7 @@ def _print_at_call_time(policy: FLCEPolicy, problem: Problem, device: DeviceInfo
         ("Rule", row["rule"]),
         ("Strategy", _row_strategy(row)),
         ("Chunk size", f"{row['at_call_time']}; run explain on that GPU to see the size it picks now"),
+        ("W filter", f"grad_weight_filter={policy.grad_weight_filter_for(device)}"),
     ]
     _console().print("\n".join(f"{label + ':':<13}{value}" for label, value in lines))
 

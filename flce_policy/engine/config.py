@@ -14,6 +14,7 @@ A file reads::
         strategy: slab_budget
         max_slab: 512MiB     # a strategy's parameters sit beside its name
       - match: "*"
+        grad_weight_filter: 2.44140625e-4   # optional, here or in default: the grad_weight filter's eps
         strategy: free_memory
         cap:                 # a strategy parameter may itself be a strategy mapping
           strategy: heuristic_c
@@ -36,12 +37,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError, field_validator, model_validator
 
 from flce_policy.plan.units import parse_bytes
+from flce_policy.plan.weight_filter import checked_filter_eps
 from flce_policy.strategies import ChunkStrategy, StrategyError, strategy_class, strategy_from_config
 
 __all__ = [
     "CONFIG_VERSION",
     "MAX_NESTING",
     "RULE_KEYS",
+    "DEFAULT_KEYS",
     "ConfigError",
     "RuleConfig",
     "PolicyConfig",
@@ -56,7 +59,9 @@ CONFIG_VERSION = 1
 #: only exhaust Python's recursion limit somewhere less clear.
 MAX_NESTING = 32
 #: Keys a ``devices`` entry understands besides the parameters of its strategy.
-RULE_KEYS = ("match", "min_total_memory", "max_total_memory", "strategy")
+RULE_KEYS = ("match", "min_total_memory", "max_total_memory", "strategy", "grad_weight_filter")
+#: Keys ``default`` understands besides the parameters of its strategy.
+DEFAULT_KEYS = ("strategy", "grad_weight_filter")
 _TOP_KEYS = ("version", "oom_fallback", "min_chunk_size", "default", "devices")
 
 
@@ -78,6 +83,7 @@ class RuleConfig(NamedTuple):
     strategy: ChunkStrategy
     min_total_memory: int | str | None
     max_total_memory: int | str | None
+    grad_weight_filter: float | None = None
 
 
 class PolicyConfig(NamedTuple):
@@ -87,6 +93,7 @@ class PolicyConfig(NamedTuple):
     rules: list[RuleConfig]
     oom_fallback: bool | None = None
     min_chunk_size: int | None = None
+    default_grad_weight_filter: float | None = None
 
 
 # --- the schema ----------------------------------------------------------------------------------
@@ -129,6 +136,15 @@ class _StrategyEntry(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     strategy: StrictStr
+    grad_weight_filter: Any = None  # a rule key, not a strategy parameter
+
+    @field_validator("grad_weight_filter")
+    @classmethod
+    def _eps(cls, value: Any) -> float | None:
+        try:
+            return checked_filter_eps(value, "grad_weight_filter", text=True)
+        except TypeError as err:  # pydantic reports a ValueError under the key's path; a TypeError would escape
+            raise ValueError(str(err)) from None
 
 
 class _RuleEntry(_StrategyEntry):
@@ -174,21 +190,24 @@ def parse_config(data: Any, *, source: str = "<dict>") -> PolicyConfig:
     top = _validate(_TopLevel, data, (), problems)
     if top is None:
         raise ConfigError(source, problems)
-    default = None
+    default, default_filter = None, None
     if top.default is not None:
         entry = _validate(_StrategyEntry, top.default, ("default",), problems)
         if entry is not None:
-            default = _build_strategy(entry, ("strategy",), ("default",), problems)
+            default = _build_strategy(entry, DEFAULT_KEYS, ("default",), problems)
+            default_filter = entry.grad_weight_filter
     rules: list[RuleConfig] = []
     for i, raw in enumerate(top.devices or []):
         loc = ("devices", i)
         rule = _validate(_RuleEntry, raw, loc, problems)
         strategy = None if rule is None else _build_strategy(rule, RULE_KEYS, loc, problems)
         if strategy is not None:
-            rules.append(RuleConfig(rule.match, strategy, rule.min_total_memory, rule.max_total_memory))
+            rules.append(
+                RuleConfig(rule.match, strategy, rule.min_total_memory, rule.max_total_memory, rule.grad_weight_filter)
+            )
     if problems:
         raise ConfigError(source, problems)
-    return PolicyConfig(default, rules, top.oom_fallback, top.min_chunk_size)
+    return PolicyConfig(default, rules, top.oom_fallback, top.min_chunk_size, default_filter)
 
 
 def _too_deep(data: Any) -> tuple | None:

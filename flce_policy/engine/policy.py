@@ -22,6 +22,7 @@ from flce_policy.plan.memory import gathered_head_bytes, predict_peak
 from flce_policy.plan.oom import DEFAULT_MIN_CHUNK_SIZE, OOMFallback
 from flce_policy.plan.problem import Problem
 from flce_policy.plan.units import format_bytes, parse_bytes
+from flce_policy.plan.weight_filter import FILTER_COLS, FILTER_ROWS, checked_filter_eps
 from flce_policy.strategies import ChunkStrategy, HeuristicC, checked_geometry
 
 __all__ = ["CONFIG_ENV_VAR", "DEFAULT_RULE", "DeviceRule", "FLCEPolicy"]
@@ -46,12 +47,13 @@ class _AskEachCall(NamedTuple):
     rule: str
     strategy: ChunkStrategy
     ceiling: Geometry | None = None
+    grad_weight_filter: float | None = None  # the rule's, set on every geometry the strategy answers
 
     def geometry(self, problem: Problem, device: DeviceInfo) -> Geometry:
         geometry = checked_geometry(self.strategy, problem, device, rule=self.rule)
         if self.ceiling is not None and geometry.chunk_size > self.ceiling.chunk_size:
             return self.ceiling
-        return geometry
+        return geometry.with_filter(self.grad_weight_filter)
 
 
 @dataclass(frozen=True)
@@ -62,12 +64,15 @@ class DeviceRule:
     an fnmatch glob on :attr:`DeviceInfo.name` (case-insensitive, e.g. ``"NVIDIA H100*"``). ``"*"``
     matches every device, the CPU fallback included; write ``match: cpu`` to single that out.
     Memory bounds are bytes or strings such as ``"200GiB"``, inclusive, kept as written.
+    ``grad_weight_filter``: the eps of the grad_weight filter on those devices (None: dense), which a
+    loss call's own ``grad_weight_filter`` overrides (flce_policy.plan.weight_filter).
     """
 
     match: str
     strategy: ChunkStrategy
     min_total_memory: int | str | None = field(default=None, kw_only=True)
     max_total_memory: int | str | None = field(default=None, kw_only=True)
+    grad_weight_filter: float | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         if not isinstance(self.match, str) or not self.match.strip():
@@ -76,6 +81,7 @@ class DeviceRule:
             raise TypeError(f"DeviceRule.strategy must be a ChunkStrategy, got {self.strategy!r}")
         self.strategy.validate_params()
         self.strategy.get_params()  # a parameter kept under another name is refused here, not at first use
+        object.__setattr__(self, "grad_weight_filter", checked_filter_eps(self.grad_weight_filter))
         low = None if self.min_total_memory is None else parse_bytes(self.min_total_memory)
         high = None if self.max_total_memory is None else parse_bytes(self.max_total_memory)
         if low is not None and high is not None and low > high:
@@ -111,7 +117,7 @@ class DeviceRule:
     def to_config(self) -> dict[str, Any]:
         """The YAML ``devices`` entry: rule keys, then ``strategy`` and its parameters."""
         entry: dict[str, Any] = {"match": self.match}
-        for key in ("min_total_memory", "max_total_memory"):
+        for key in ("min_total_memory", "max_total_memory", "grad_weight_filter"):
             if getattr(self, key) is not None:
                 entry[key] = getattr(self, key)
         return {**entry, **self.strategy.to_config()}
@@ -126,6 +132,7 @@ class FLCEPolicy:
     a dynamic strategy (one reading free memory) is asked on every call instead.
     ``oom_fallback``: a loss call whose slab runs out of memory is retried at half the rows, down
     to ``min_chunk_size``, and the geometry that completed is remembered (:meth:`remember`).
+    ``grad_weight_filter``: the default rule's grad_weight filter eps (None: dense); a device rule sets its own.
     Equality compares content (strategies, rules, OOM settings), not where the policy was loaded from.
     """
 
@@ -137,7 +144,9 @@ class FLCEPolicy:
         source: str = "<code>",
         oom_fallback: bool = True,
         min_chunk_size: int = DEFAULT_MIN_CHUNK_SIZE,
+        grad_weight_filter: float | None = None,
     ) -> None:
+        self.default_grad_weight_filter = checked_filter_eps(grad_weight_filter)
         self.default_strategy: ChunkStrategy = HeuristicC(c=1) if default is None else default
         if not isinstance(self.default_strategy, ChunkStrategy):
             raise TypeError(f"default must be a ChunkStrategy, got {self.default_strategy!r}")
@@ -169,11 +178,18 @@ class FLCEPolicy:
         """A policy from a loaded YAML mapping; :class:`ConfigError` names ``source`` and the key path."""
         config = parse_config(data, source=source)
         rules = [
-            DeviceRule(r.match, r.strategy, min_total_memory=r.min_total_memory, max_total_memory=r.max_total_memory)
+            DeviceRule(
+                r.match, r.strategy, min_total_memory=r.min_total_memory, max_total_memory=r.max_total_memory,
+                grad_weight_filter=r.grad_weight_filter,
+            )
             for r in config.rules
-        ]
+        ]  # fmt: skip
         # Settings the file leaves out keep the constructor's defaults.
-        given = {"oom_fallback": config.oom_fallback, "min_chunk_size": config.min_chunk_size}
+        given = {
+            "oom_fallback": config.oom_fallback,
+            "min_chunk_size": config.min_chunk_size,
+            "grad_weight_filter": config.default_grad_weight_filter,
+        }
         settings = {key: value for key, value in given.items() if value is not None}
         return cls(default=config.default, rules=rules, source=source, **settings)
 
@@ -213,7 +229,10 @@ class FLCEPolicy:
             "version": CONFIG_VERSION,
             "oom_fallback": self.oom_fallback,
             "min_chunk_size": self.min_chunk_size,
-            "default": self.default_strategy.to_config(),
+            "default": {
+                **self.default_strategy.to_config(),
+                **_filter_entry(self.default_grad_weight_filter),
+            },
             "devices": [rule.to_config() for rule in self.rules],
         }
 
@@ -229,6 +248,13 @@ class FLCEPolicy:
             if rule.matches(device):
                 return f"devices[{i}] ({rule.describe()})", rule.strategy
         return DEFAULT_RULE, self.default_strategy
+
+    def grad_weight_filter_for(self, device: DeviceInfo) -> float | None:
+        """The grad_weight filter eps of the rule that applies to ``device`` (None: dense)."""
+        for rule in self.rules:
+            if rule.matches(device):
+                return rule.grad_weight_filter
+        return self.default_grad_weight_filter
 
     def same_strategy_as(self, other: FLCEPolicy, device: DeviceInfo) -> bool:
         """True when ``other`` gives ``device`` an equal strategy (same class and parameters), whichever rule."""
@@ -247,10 +273,11 @@ class FLCEPolicy:
         if entry is None:
             _check_resolve_args(problem, device)
             rule, strategy = self.resolve_rule(device)
+            eps = self.grad_weight_filter_for(device)
             entry = (
-                _AskEachCall(rule, strategy)
+                _AskEachCall(rule, strategy, grad_weight_filter=eps)
                 if strategy.dynamic
-                else checked_geometry(strategy, problem, device, rule=rule)
+                else checked_geometry(strategy, problem, device, rule=rule).with_filter(eps)
             )
             self._store(key, entry)
         if type(entry) is _AskEachCall:
@@ -268,7 +295,10 @@ class FLCEPolicy:
                 f"cannot remember a geometry made for {geometry.problem.describe()} as the one for {problem.describe()}"
             )
         rule, strategy = self.resolve_rule(device)
-        self._store((problem, device), _AskEachCall(rule, strategy, geometry) if strategy.dynamic else geometry)
+        eps = self.grad_weight_filter_for(device)
+        geometry = geometry.with_filter(eps)
+        entry = _AskEachCall(rule, strategy, geometry, eps) if strategy.dynamic else geometry
+        self._store((problem, device), entry)
 
     def oom_fallback_for(self, problem: Problem, device: DeviceInfo) -> OOMFallback | None:
         """How a loss call of ``problem`` on ``device`` answers an OOM on its slab; None when switched off."""
@@ -345,6 +375,8 @@ class FLCEPolicy:
             "dynamic": strategy.dynamic,
             "oom_fallback": self.oom_fallback,
             "min_chunk_size": self.min_chunk_size,
+            "grad_weight_filter": geometry.grad_weight_filter,
+            **_filter_times(geometry, rates),
             **tp,
         }
 
@@ -394,6 +426,7 @@ class FLCEPolicy:
                 else []
             ),
             ("W grad", _accumulation_note(d["weight_grad_low_precision_steps"])),
+            ("W filter", _filter_note(d)),
             ("On OOM", oom),
         ]
         return "\n".join(f"{label + ':':<13}{value}" for label, value in lines)
@@ -407,6 +440,7 @@ class FLCEPolicy:
             self.default_strategy == other.default_strategy
             and self.rules == other.rules
             and (self.oom_fallback, self.min_chunk_size) == (other.oom_fallback, other.min_chunk_size)
+            and self.default_grad_weight_filter == other.default_grad_weight_filter
         )
 
     __hash__ = None  # type: ignore[assignment]  # equal by content, and the cache makes it mutable
@@ -414,8 +448,14 @@ class FLCEPolicy:
     def __repr__(self) -> str:
         return (
             f"FLCEPolicy(default={self.default_strategy!r}, rules={list(self.rules)!r}, "
-            f"oom_fallback={self.oom_fallback!r}, min_chunk_size={self.min_chunk_size!r}, source={self.source!r})"
+            f"oom_fallback={self.oom_fallback!r}, min_chunk_size={self.min_chunk_size!r}, "
+            f"grad_weight_filter={self.default_grad_weight_filter!r}, source={self.source!r})"
         )
+
+
+def _filter_entry(eps: float | None) -> dict[str, float]:
+    """The ``grad_weight_filter`` key of a YAML rule, absent when the rule has none."""
+    return {} if eps is None else {"grad_weight_filter": eps}
 
 
 def _check_resolve_args(problem: Any, device: Any) -> None:
@@ -435,6 +475,35 @@ def _check_resolve_args(problem: Any, device: Any) -> None:
 
 #: More bf16 roundings of the running grad_weight than this are worth a warning in explain.
 _MANY_ACCUMULATION_STEPS = 8
+
+
+#: Skipped shares of the filter's tiles at which explain prices the filtered path (the share depends on the logits).
+_EXPLAINED_SKIPPED_SHARES = (0.5, 0.7)
+
+
+def _filter_times(geometry: Geometry, rates: Any) -> dict[str, Any]:
+    """explain's predicted fwd+bwd ms of a filtered geometry at a few skipped shares (none without a filter)."""
+    if geometry.grad_weight_filter is None:
+        return {}
+    shares = (0.0, *_EXPLAINED_SKIPPED_SHARES)
+    return {
+        "predicted_ms_filtered": {
+            f"{share:.0%}": round(predict_seconds(geometry, rates, skipped_share=share).seconds * 1e3, 3)
+            for share in shares
+        }
+    }
+
+
+def _filter_note(d: dict[str, Any]) -> str:
+    eps = d["grad_weight_filter"]
+    if eps is None:
+        return "off (dense grad_weight); a rule's or the call's grad_weight_filter switches it on"
+    times = ", ".join(f"{ms:.1f} ms at {share}" for share, ms in d["predicted_ms_filtered"].items())
+    return (
+        f"grad_weight_filter={eps:g} (from the rule): grad_weight and grad_bias skip the {FILTER_ROWS}x{FILTER_COLS} "
+        f"tiles of dL/dlogits where every |softmax - onehot| < {eps:g}; predicted {times} of the tiles skipped "
+        "(the share depends on the logits); a call's grad_weight_filter overrides it"
+    )
 
 
 def _collectives_note(tp: dict[str, Any], tp_size: int) -> str:

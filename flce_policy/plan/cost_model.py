@@ -12,6 +12,10 @@ Terms (seconds), each traced to measurements on the H200 (results/notes/README.m
 - the CE kernels: two reads and one write of all logits at ``ce_efficiency`` of HBM;
 - late vocab tiles (flce_policy.plan.accumulator) computed a third time: their logits GEMM and a
   read and a write of their logits;
+- the grad_weight filter (``geometry.grad_weight_filter``): the grad_weight GEMM and its
+  read-modify-write shrink to the kept share ``1 - skipped_share`` of the tiles (a caller's guess:
+  the share depends on the logits, 0 by default), run at ``filtered_gemm_efficiency`` of the dense
+  GEMM rate (ASSUMED, not yet measured), plus one write and read of the per-row flags;
 - vocab parallel (``problem.tp_size > 1``, the problem being one rank's shard): the collectives of
   :func:`flce_policy.plan.collectives.comm_plan`, each paying ``collective_latency_s`` plus a ring
   all-reduce's ``2 (n - 1) / n`` of its bytes at ``link_bytes_per_s``. These two rates are
@@ -31,6 +35,7 @@ from flce_policy.plan.accumulator import accumulator_layout
 from flce_policy.plan.collectives import comm_plan
 from flce_policy.plan.device import DeviceInfo
 from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.weight_filter import FILTER_COLS
 
 __all__ = [
     "DeviceRates",
@@ -53,6 +58,7 @@ class DeviceRates(NamedTuple):
     fp32_rmw_efficiency: float = 0.8  # cuBLAS bf16 x bf16 -> fp32 accumulate, beta=1
     link_bytes_per_s: float = 3.0e11  # all-reduce bus bandwidth between the TP ranks (assumed, NVLink class)
     collective_latency_s: float = 2.5e-5  # one small all-reduce (assumed)
+    filtered_gemm_efficiency: float = 0.85  # the filtered grad_weight kernel against cuBLAS's rate (assumed)
 
 
 #: H200: CALIBRATED by :func:`fit_rates` on the fixed-chunk rows and floors of
@@ -92,12 +98,18 @@ class TimeEstimate(NamedTuple):
     terms: dict[str, float]
 
 
-def predict_seconds(geometry: Geometry, rates: DeviceRates, *, accum_dtype: str | None = None) -> TimeEstimate:
+def predict_seconds(
+    geometry: Geometry, rates: DeviceRates, *, accum_dtype: str | None = None, skipped_share: float = 0.0
+) -> TimeEstimate:
     """Predicted fwd+bwd seconds of ``geometry`` (x and W needing grad) at ``rates``.
 
     ``accum_dtype`` is the loss's grad_weight accumulator ("float32"; None = the geometry's planned
     one); one row chunk writes each slice once and needs none (:meth:`Geometry.accum_itemsize`).
+    ``skipped_share``: the share of dL/dlogits tiles the grad_weight filter skips (only with
+    ``geometry.grad_weight_filter``; it depends on the logits, so the caller guesses it).
     """
+    if not 0.0 <= skipped_share <= 1.0:
+        raise ValueError(f"skipped_share must be in [0, 1], got {skipped_share!r}")
     p = geometry.problem
     item = p.itemsize
     hbm = rates.hbm_bytes_per_s
@@ -106,9 +118,17 @@ def predict_seconds(geometry: Geometry, rates: DeviceRates, *, accum_dtype: str 
     gemms = 3 if geometry.is_row_only else 4
     recomputed_columns = min(accumulator_layout(geometry).recomputed_tiles * geometry.vocab_chunk, p.vocab)
     rmw_bandwidth = hbm * (rates.fp32_rmw_efficiency if accum_item > item else 1.0)
+    one_gemm = 2.0 * p.tokens * p.hidden * p.vocab / rates.matmul_flops
+    filtered = geometry.grad_weight_filter is not None
+    kept = 1.0 - skipped_share if filtered else 1.0
     terms = {
-        "gemm": gemms * 2.0 * p.tokens * p.hidden * p.vocab / rates.matmul_flops,
-        "grad_weight_rmw": (geometry.num_chunks - 1) * 2 * weight_elems * accum_item / rmw_bandwidth,
+        "gemm": (gemms - 1 if filtered else gemms) * one_gemm,
+        # the filtered grad_weight GEMM, and its flags: one byte per row and 128 classes, written and read
+        "grad_weight_filtered": kept * one_gemm / rates.filtered_gemm_efficiency
+        + 2 * p.tokens * p.vocab / FILTER_COLS / hbm
+        if filtered
+        else 0.0,
+        "grad_weight_rmw": kept * (geometry.num_chunks - 1) * 2 * weight_elems * accum_item / rmw_bandwidth,
         "grad_weight_cast": weight_elems * (accum_item + item) / hbm if accum_item > item else 0.0,
         "grad_input_acc": (geometry.num_vocab_chunks - 1) * 2 * p.tokens * p.hidden * 4 / hbm
         if not geometry.is_row_only

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from flce_policy.plan.problem import DTYPE_ITEMSIZE, LogitsDType, Problem, checked_dtype, normalise_dtype
 from flce_policy.plan.units import cdiv, format_bytes
+from flce_policy.plan.weight_filter import checked_filter_eps
 
 __all__ = ["Geometry"]
 
@@ -34,6 +35,10 @@ class Geometry(BaseModel):
     accum_dtype: LogitsDType | None = Field(
         default=None, description="grad_weight accumulator across row chunks; None = the problem's dtype"
     )
+    grad_weight_filter: float | None = Field(
+        default=None,
+        description="eps of the grad_weight filter a policy rule set (flce_policy.plan.weight_filter); None = dense",
+    )
     strategy: str = Field(default="manual", description="the strategy (with its parameters) that produced it")
     rule: str | None = Field(default=None, description="the policy rule that chose the strategy, if any")
 
@@ -47,6 +52,7 @@ class Geometry(BaseModel):
         accum_dtype: str | None = None,
         strategy: str = "manual",
         rule: str | None = None,
+        grad_weight_filter: float | None = None,
     ) -> Geometry:
         """The geometry of ``chunk_size`` rows (and ``vocab_chunk`` columns, default all of V)."""
         vocab_chunk = problem.vocab if vocab_chunk is None else vocab_chunk
@@ -60,6 +66,7 @@ class Geometry(BaseModel):
             num_vocab_chunks=cdiv(problem.vocab, vocab_chunk),
             slab_bytes=chunk_size * vocab_chunk * problem.itemsize,
             accum_dtype=accum_dtype,
+            grad_weight_filter=grad_weight_filter,
             strategy=strategy,
             rule=rule,
         )
@@ -68,6 +75,11 @@ class Geometry(BaseModel):
     @classmethod
     def _normalise_accum_dtype(cls, value: Any) -> Any:
         return normalise_dtype(value)
+
+    @field_validator("grad_weight_filter", mode="before")
+    @classmethod
+    def _checked_filter(cls, value: Any) -> Any:
+        return checked_filter_eps(value)
 
     @model_validator(mode="after")
     def _consistent(self) -> Geometry:
@@ -125,6 +137,12 @@ class Geometry(BaseModel):
         """Rows in the final (possibly shorter) chunk."""
         return self.problem.tokens - (self.num_chunks - 1) * self.chunk_size
 
+    def with_filter(self, grad_weight_filter: float | None) -> Geometry:
+        """A copy whose grad_weight filter is ``grad_weight_filter`` (a policy rule's; the shape is unchanged)."""
+        if grad_weight_filter == self.grad_weight_filter:
+            return self
+        return self.model_copy(update={"grad_weight_filter": checked_filter_eps(grad_weight_filter)})
+
     def with_origin(self, *, strategy: str | None = None, rule: str | None = None) -> Geometry:
         """A copy whose provenance fields are replaced (the shape is unchanged)."""
         updates: dict[str, Any] = {}
@@ -148,6 +166,8 @@ class Geometry(BaseModel):
     def describe(self) -> str:
         tiles = "" if self.is_row_only else f" x {self.num_vocab_chunks} vocab tiles of {self.vocab_chunk}"
         accum = "" if self.accum_dtype is None else f", grad_weight accumulated in {self.accum_dtype}"
+        if self.grad_weight_filter is not None:
+            accum += f", grad_weight filter eps={self.grad_weight_filter:g}"
         return (
             f"{self.num_chunks} chunks of {self.chunk_size} rows{tiles}, "
             f"slab {format_bytes(self.slab_bytes)}{accum} ({self.strategy})"

@@ -1,0 +1,42 @@
+"""The grad_weight filter's eps: what a valid one is, checked in one place for the call, the YAML and the Geometry.
+
+``grad_weight_filter=eps`` lets grad_weight (and grad_bias) skip the tiles of dL/dlogits in which every
+per-token ``|softmax - onehot(target)|`` is below ``eps`` (the rule and its kernels:
+:mod:`flce_policy.kernels.weight_grad_filter`). None is the dense path; 0 skips nothing, so it also runs
+the dense path (a call's way to switch off a policy's filter).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["FILTER_COLS", "FILTER_ROWS", "checked_filter_eps"]
+
+#: Classes per skip decision: columns of dL/dlogits (rows of grad_weight) per flag.
+FILTER_COLS = 128
+#: Token rows per skip decision, counted from each row chunk's first row.
+FILTER_ROWS = 64
+
+
+def checked_filter_eps(value: Any, name: str = "grad_weight_filter", *, text: bool = False) -> float | None:
+    """``value`` as a float eps in ``[0, 1)``, or None; TypeError/ValueError naming ``name`` otherwise.
+
+    ``text``: a string is read as a number (a YAML file: PyYAML reads ``1e-4``, without a dot, as a
+    string). eps >= 1 would skip every tile but the targets' (``|p - onehot|`` never exceeds 1):
+    refused as a mistake.
+    """
+    if value is None:
+        return None
+    if text and isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise ValueError(f"{name} must be a number in [0, 1) or None, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number in [0, 1) or None, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or not 0.0 <= value < 1.0:
+        raise ValueError(
+            f"{name} must be a finite number in [0, 1) (eps on |softmax - onehot|, e.g. 2**-12) or None, got {value!r}"
+        )
+    return float(value)

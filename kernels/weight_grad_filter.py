@@ -1,0 +1,196 @@
+"""grad_weight (and grad_bias) of one chunk that skips the tiles of dL/dlogits that carry nothing.
+
+A trained LM's softmax is nearly all zeros: most ``[FILTER_ROWS, FILTER_COLS]`` tiles of a chunk's
+dL/dlogits ``G`` hold only tiny values. The CE finish kernel (:mod:`flce_policy.kernels.ce_kernel`)
+writes one flag per row and ``FILTER_COLS`` columns: 1 when some column there has a per-token
+``|p_c - [c == y]| >= eps`` (``p = softmax(z)``, ``z`` after the softcap; unscaled: the reduction,
+``grad_output``, class weights, token scaling, z-loss and smoothing do not move it) or is the target.
+
+Two launches per chunk (and vocab tile):
+
+1. ``_kept_tiles_kernel``, one program per ``FILTER_COLS`` columns: the list of the chunk's row tiles
+   (``FILTER_ROWS`` rows each, from the chunk's first row) whose flags there are not all 0, and its length.
+2. ``_filtered_weight_grad_kernel``, one program per ``[FILTER_COLS, BLOCK_H]`` block of grad_weight:
+   ``G[tile, cols].T @ x[tile, h]`` summed over the listed row tiles only, in fp32. The loop has no
+   branch (the GPU pipelines its loads); a skipped tile is neither loaded nor multiplied. A block whose
+   list is empty is written as zeros on the first chunk and not touched on a later one (no
+   read-modify-write). The programs of one column block run side by side (the hidden blocks vary
+   fastest), so ``G``'s tiles are read from HBM about once and ``x``'s come from L2.
+
+grad_input is not filtered: the driver keeps it dense.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from flce_policy.plan.weight_filter import FILTER_COLS, FILTER_ROWS
+
+from .interpreter import KERNELS_INTERPRETED
+
+if TYPE_CHECKING:
+    from .driver_call import DriverCall
+
+__all__ = ["FilterScratch", "filter_scratch", "filter_scratch_for", "filtered_weight_grad"]
+
+#: grad_weight columns (hidden units) per program.
+_BLOCK_H = 128
+
+
+class FilterScratch(NamedTuple):
+    """A call's buffers for the filter, allocated once for its largest chunk and vocab tile (unfilled)."""
+
+    flags: torch.Tensor  # [rows, cdiv(tile_cols, FILTER_COLS)] uint8, written by the CE finish kernel
+    tiles: torch.Tensor  # [cdiv(tile_cols, FILTER_COLS), cdiv(rows, FILTER_ROWS)] int32: kept row tiles, listed
+    counts: torch.Tensor  # [cdiv(tile_cols, FILTER_COLS)] int32: how many are listed
+
+
+def filter_scratch(rows: int, tile_cols: int, device: torch.device) -> FilterScratch:
+    """The filter's buffers for chunks of up to ``rows`` rows of a ``tile_cols``-column slab."""
+    col_blocks, row_tiles = triton.cdiv(tile_cols, FILTER_COLS), triton.cdiv(rows, FILTER_ROWS)
+    return FilterScratch(
+        torch.empty((rows, col_blocks), dtype=torch.uint8, device=device),
+        torch.empty((col_blocks, row_tiles), dtype=torch.int32, device=device),
+        torch.empty(col_blocks, dtype=torch.int32, device=device),
+    )
+
+
+def filter_scratch_for(call: DriverCall, rows: int, tile_cols: int) -> FilterScratch | None:
+    """A driver call's filter buffers: None (the dense GEMMs) without a filter or without a weight or bias gradient."""
+    if call.params.grad_weight_filter is None or not (call.grads.weight or call.grads.bias):
+        return None
+    return filter_scratch(rows, tile_cols, call.x.device)
+
+
+@triton.jit
+def _kept_tiles_kernel(flags_ptr, flag_stride, tiles_ptr, tile_stride, counts_ptr, n_rows, BLOCK_K: tl.constexpr):
+    col_block = tl.program_id(0)
+    count = 0
+    for row_start in range(0, n_rows, BLOCK_K):
+        rows = row_start + tl.arange(0, BLOCK_K)
+        flags = tl.load(flags_ptr + rows.to(tl.int64) * flag_stride + col_block, mask=rows < n_rows, other=0)
+        if tl.max(flags.to(tl.int32), axis=0) > 0:
+            tl.store(tiles_ptr + col_block * tile_stride + count, row_start // BLOCK_K)
+            count += 1
+    tl.store(counts_ptr + col_block, count)
+
+
+@triton.jit
+def _filtered_weight_grad_kernel(
+    grad_ptr,
+    grad_stride,
+    x_ptr,
+    x_stride,
+    tiles_ptr,
+    tile_stride,
+    counts_ptr,
+    out_ptr,
+    out_stride,
+    bias_ptr,
+    n_rows,
+    n_cols,
+    hidden,
+    FIRST: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_h = tl.program_id(0)  # fastest: the programs of one column block share its G tiles in L2
+    pid_v = tl.program_id(1)
+    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)  # classes: columns of G, rows of grad_weight
+    hs = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_mask = cols < n_cols
+    h_mask = hs < hidden
+    k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_V, BLOCK_H], dtype=tl.float32)
+    bias_acc = tl.zeros([BLOCK_V], dtype=tl.float32)
+    kept = tl.load(counts_ptr + pid_v)
+    for i in range(0, kept):
+        rows = tl.load(tiles_ptr + pid_v * tile_stride + i).to(tl.int64) * BLOCK_K + k
+        row_mask = rows < n_rows
+        g = tl.load(
+            grad_ptr + rows[:, None] * grad_stride + cols[None, :],
+            mask=row_mask[:, None] & col_mask[None, :],
+            other=0.0,
+        )
+        if HAS_WEIGHT:
+            x = tl.load(
+                x_ptr + rows[:, None] * x_stride + hs[None, :], mask=row_mask[:, None] & h_mask[None, :], other=0.0
+            )
+            if IEEE:
+                # fp32 products, as cuBLAS gives torch's fp32 matmul (no TF32); also bf16/fp16 operands under
+                # the interpreter, whose low-precision tl.dot is wrong (exact there: the products fit fp32)
+                acc = tl.dot(tl.trans(g.to(tl.float32)), x.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(tl.trans(g), x, acc)
+        if HAS_BIAS:
+            bias_acc += tl.sum(g.to(tl.float32), axis=0)
+    if HAS_WEIGHT:
+        out = out_ptr + cols.to(tl.int64)[:, None] * out_stride + hs[None, :]
+        out_mask = col_mask[:, None] & h_mask[None, :]
+        if FIRST:
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        elif kept > 0:
+            total = tl.load(out, mask=out_mask, other=0.0).to(tl.float32) + acc
+            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+    if HAS_BIAS:
+        if (pid_h == 0) & (kept > 0):
+            total_b = tl.load(bias_ptr + cols, mask=col_mask, other=0.0) + bias_acc
+            tl.store(bias_ptr + cols, total_b, mask=col_mask)
+
+
+def filtered_weight_grad(
+    grad_weight: torch.Tensor | None,
+    grad: torch.Tensor,
+    x_chunk: torch.Tensor,
+    scratch: FilterScratch,
+    *,
+    first: bool,
+    grad_bias: torch.Tensor | None = None,
+) -> None:
+    """``grad_weight (+)= G.T @ x_chunk`` and ``grad_bias += G.sum(0)`` over the flagged tiles of ``G``.
+
+    ``grad [n, C]`` (a slab of dL/dlogits), ``x_chunk [n, H]``, ``grad_weight [C, H]`` (any float dtype,
+    row-contiguous; ``first`` overwrites it; None: grad_bias only), ``grad_bias [C]`` fp32, ``scratch``
+    holding the flags the finish kernel wrote for ``grad``. Accumulates in fp32 and rounds once per call
+    into ``grad_weight``.
+    """
+    n_rows, n_cols = grad.shape
+    col_blocks = triton.cdiv(n_cols, FILTER_COLS)
+    flags, tiles, counts = scratch
+    _kept_tiles_kernel[(col_blocks,)](
+        flags, flags.stride(0), tiles, tiles.stride(0), counts, n_rows, BLOCK_K=FILTER_ROWS, num_warps=1
+    )
+    hidden = x_chunk.shape[1] if grad_weight is not None else 1
+    block_h = min(_BLOCK_H, max(16, triton.next_power_of_2(hidden)))
+    _filtered_weight_grad_kernel[(triton.cdiv(hidden, block_h), col_blocks)](
+        grad,
+        grad.stride(0),
+        x_chunk,
+        x_chunk.stride(0),
+        tiles,
+        tiles.stride(0),
+        counts,
+        grad_weight,
+        0 if grad_weight is None else grad_weight.stride(0),
+        grad_bias,
+        n_rows,
+        n_cols,
+        hidden,
+        FIRST=first,
+        HAS_WEIGHT=grad_weight is not None,
+        HAS_BIAS=grad_bias is not None,
+        IEEE=grad.dtype == torch.float32 or KERNELS_INTERPRETED,
+        BLOCK_V=FILTER_COLS,
+        BLOCK_H=block_h,
+        BLOCK_K=FILTER_ROWS,
+        num_warps=8,
+        num_stages=3,
+    )

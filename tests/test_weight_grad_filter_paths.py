@@ -1,0 +1,93 @@
+"""grad_weight_filter on the other paths of the driver: vocab tiles, rows over several blocks and segments,
+a bias gradient alone, autocast over fp32 master weights, the OOM fallback; against the same fp64 reference
+as tests/test_weight_grad_filter.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_loss_kernel import DEVICE, rel_err
+from test_weight_grad_filter import (
+    BF16_TOL,
+    BT,
+    EPS,
+    FP32_TOL,
+    assert_same,
+    geometry,
+    leaves,
+    peaked_inputs,
+    reference,
+    run,
+)
+
+from flce_policy import fused_linear_cross_entropy
+from flce_policy.kernels.driver import inject_oom
+from flce_policy.plan.oom import OOMFallbackWarning
+
+pytestmark = pytest.mark.skipif(
+    DEVICE == "cuda" and not torch.cuda.is_available(),
+    reason="the kernels were compiled (TRITON_INTERPRET unset) and there is no CUDA GPU",
+)
+
+
+@pytest.mark.parametrize("chunk", [64, BT])  # BT: one row chunk, where the last vocab tiles are computed late
+def test_vocab_tiled_geometry(chunk):
+    t = leaves(peaked_inputs(seed=6), torch.float32)
+    policy = geometry(torch.float32, chunk=chunk, vocab_chunk=256)
+    dense = run(t, policy=policy)
+    filtered = run(t, policy=policy, grad_weight_filter=EPS)
+    ref = reference(t, torch.float32, eps=EPS, chunk=chunk, vocab_chunk=256)
+    assert ref["kept_share"] < 0.9
+    assert_same(filtered, dense)
+    assert rel_err(filtered[2]["w"], ref["filtered_w"]) < FP32_TOL
+    assert rel_err(filtered[2]["b"], ref["filtered_b"]) < FP32_TOL
+
+
+def test_oom_fallback_keeps_the_filter():
+    """A slab that does not fit is retried at half the rows: the result is the filtered run at that size."""
+    t = leaves(peaked_inputs(seed=8), torch.float32)
+    with inject_oom(above_rows=64), pytest.warns(OOMFallbackWarning):
+        retried = run(t, policy=geometry(torch.float32, chunk=BT), grad_weight_filter=EPS)
+    direct = run(t, policy=geometry(torch.float32, chunk=64), grad_weight_filter=EPS)
+    assert_same(retried, direct)
+    assert torch.equal(retried[2]["w"], direct[2]["w"]) and torch.equal(retried[2]["b"], direct[2]["b"])
+
+
+def test_bias_gradient_alone_is_filtered():
+    """A frozen head with a trained bias: the filtered kernel runs for grad_bias alone."""
+    t = leaves(peaked_inputs(seed=9), torch.float32)
+    t["w"].requires_grad_(False)
+    ref = reference(t, torch.float32, eps=EPS, chunk=64)
+    loss = fused_linear_cross_entropy(
+        t["x"], t["w"], t["y"], t["b"], policy=geometry(torch.float32), grad_weight_filter=EPS
+    )
+    grad_b = torch.autograd.grad(loss, t["b"])[0]
+    assert ref["kept_share"] < 0.9
+    assert rel_err(grad_b, ref["filtered_b"]) < FP32_TOL
+    assert rel_err(grad_b, ref["dense_b"]) > 1e-4
+
+
+@pytest.mark.parametrize("block", [128, 256])  # 4 blocks in 2 segments of a row; 2 blocks of 2 flags each
+def test_rows_in_several_blocks_and_segments(monkeypatch, block):
+    from flce_policy.kernels import ce_kernel
+
+    monkeypatch.setattr(ce_kernel, "MAX_BLOCK_V", block)
+    t = leaves(peaked_inputs(seed=10), torch.float32)
+    filtered = run(t, policy=geometry(torch.float32), grad_weight_filter=EPS)
+    ref = reference(t, torch.float32, eps=EPS, chunk=64)
+    assert ref["kept_share"] < 0.9
+    assert rel_err(filtered[2]["w"], ref["filtered_w"]) < FP32_TOL
+    assert rel_err(filtered[2]["b"], ref["filtered_b"]) < FP32_TOL
+
+
+def test_autocast_over_fp32_master_weights():
+    t = leaves(peaked_inputs(seed=11), torch.float32)
+    policy = geometry(torch.bfloat16)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        dense = run(t, policy=policy)
+        filtered = run(t, policy=policy, grad_weight_filter=EPS)
+    ref = reference(t, torch.bfloat16, eps=EPS, chunk=64)
+    assert ref["kept_share"] < 0.9
+    assert_same(filtered, dense)
+    assert filtered[2]["w"].dtype == torch.float32
+    assert rel_err(filtered[2]["w"], ref["filtered_w"]) < BF16_TOL

@@ -1,0 +1,121 @@
+"""grad_weight_filter as an option: bad values refused, a policy rule switches it on per device, the call's
+keyword wins, explain and the cost model show it, the compiled op carries it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_cli import run as run_cli
+from test_weight_grad_filter import BT, EPS, H, V, leaves, peaked_inputs, run
+
+from flce_policy import FLCEPolicy, fused_linear_cross_entropy
+from flce_policy.call.options import LossOptions
+from flce_policy.engine.config import ConfigError
+from flce_policy.loss import FusedLinearCrossEntropyLoss
+from flce_policy.plan.cost_model import RATES, predict_seconds
+from flce_policy.plan.device import DeviceInfo
+from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.problem import Problem
+
+BAD_VALUES = [
+    (-1e-3, ValueError), (math.nan, ValueError), (math.inf, ValueError), (1.0, ValueError),
+    (True, TypeError), ("0.01", TypeError), ([0.1], TypeError),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("value", "error"), BAD_VALUES)
+def test_bad_eps_refused_by_name(value, error):
+    t = peaked_inputs()
+    with pytest.raises(error, match="grad_weight_filter"):
+        fused_linear_cross_entropy(t["x"], t["w"], t["y"], grad_weight_filter=value)
+    with pytest.raises(error, match="grad_weight_filter"):
+        FusedLinearCrossEntropyLoss(grad_weight_filter=value)
+
+
+@pytest.mark.parametrize("value", ["x", "-1", ".nan", "true", "[0.1]", "1.5"])
+def test_bad_eps_in_yaml_names_the_key(value):
+    text = f"version: 1\ndevices:\n  - match: cpu\n    strategy: heuristic_c\n    grad_weight_filter: {value}\n"
+    with pytest.raises(ConfigError, match=r"devices\[0\]\.grad_weight_filter: grad_weight_filter must be"):
+        FLCEPolicy.from_yaml_text(text)
+
+
+def _yaml(rule_eps: float | None, default_eps: float | None = None) -> str:
+    rule = "" if rule_eps is None else f"    grad_weight_filter: {rule_eps!r}\n"
+    default = "" if default_eps is None else f"  grad_weight_filter: {default_eps!r}\n"
+    return (
+        "version: 1\ndefault:\n  strategy: heuristic_c\n" + default
+        + "devices:\n  - match: cpu\n    strategy: fixed_chunk_size\n    chunk_size: 64\n" + rule
+    )  # fmt: skip
+
+
+def test_yaml_round_trip_and_rule_precedence():
+    policy = FLCEPolicy.from_yaml_text(_yaml(EPS, default_eps=1e-3))
+    assert FLCEPolicy.from_yaml_text(policy.to_yaml()) == policy
+    assert policy != FLCEPolicy.from_yaml_text(_yaml(None, default_eps=1e-3))
+    problem = Problem(tokens=BT, hidden=H, vocab=V, dtype="float32")
+    assert policy.resolve(problem, DeviceInfo.cpu()).grad_weight_filter == EPS  # the device rule's
+    assert policy.resolve(problem, DeviceInfo.synthetic("H100")).grad_weight_filter == 1e-3  # the default's
+    # the options follow the geometry's filter unless the call gave one
+    geometry = policy.resolve(problem, DeviceInfo.cpu())
+    assert LossOptions().following(geometry).grad_weight_filter == EPS
+    assert LossOptions(grad_weight_filter=0.0).following(geometry).grad_weight_filter == 0.0
+
+
+def test_policy_rule_filters_the_call_and_the_keyword_wins():
+    t = leaves(peaked_inputs(), torch.float32)
+    chunk64 = Geometry.for_problem(Problem(tokens=BT, hidden=H, vocab=V, dtype="float32"), 64)
+    filtering = FLCEPolicy.from_yaml_text(_yaml(EPS))
+    by_rule = run(t, policy=filtering)
+    by_keyword = run(t, policy=chunk64, grad_weight_filter=EPS)
+    dense = run(t, policy=chunk64)
+    off = run(t, policy=filtering, grad_weight_filter=0.0)  # the call switches the rule's filter off
+    assert torch.equal(by_rule[2]["w"], by_keyword[2]["w"]) and torch.equal(by_rule[2]["b"], by_keyword[2]["b"])
+    assert not torch.equal(by_rule[2]["w"], dense[2]["w"])
+    assert torch.equal(off[2]["w"], dense[2]["w"]) and torch.equal(off[2]["b"], dense[2]["b"])
+    assert torch.equal(by_rule[0], dense[0]) and torch.equal(by_rule[2]["x"], dense[2]["x"])
+
+
+def test_explain_prints_the_filter(tmp_path, capsys):
+    path = tmp_path / "policy.yaml"
+    path.write_text(_yaml(None, default_eps=2.0**-12).replace("match: cpu", "match: B200"))
+    code, out, _ = run_cli(
+        capsys, "explain", "--config", str(path), "--device", "H100", "--vocab", "131072", "--hidden", "4096"
+    )
+    assert code == 0
+    assert "grad_weight_filter=0.000244141" in out and "70%" in out
+    code, out, _ = run_cli(
+        capsys, "explain", "--config", str(path), "--device", "H100", "--vocab", "131072", "--hidden", "4096", "--json"
+    )
+    assert '"grad_weight_filter": 0.000244140625' in out
+
+
+def test_cost_model_prices_the_skipped_share():
+    problem = Problem(tokens=8192, hidden=4096, vocab=131072, dtype="bfloat16")
+    dense = Geometry.for_problem(problem, 2048)
+    filtered = Geometry.for_problem(problem, 2048, grad_weight_filter=2.0**-12)
+    rates = RATES["H200"]
+    nothing = predict_seconds(filtered, rates).seconds
+    most = predict_seconds(filtered, rates, skipped_share=0.7).seconds
+    dense_s = predict_seconds(dense, rates).seconds
+    assert most < dense_s < nothing  # skipping pays; with nothing skipped the filtered kernel costs more
+    assert predict_seconds(dense, rates, skipped_share=0.7).seconds == dense_s  # no filter, nothing skipped
+    with pytest.raises(ValueError, match="skipped_share"):
+        predict_seconds(filtered, rates, skipped_share=1.5)
+
+
+def test_compiled_op_carries_the_filter():
+    t = leaves(peaked_inputs(), torch.float32)
+    chunk64 = Geometry.for_problem(Problem(tokens=BT, hidden=H, vocab=V, dtype="float32"), 64)
+    eager = run(t, policy=chunk64, grad_weight_filter=EPS)
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def loss_fn(x, w, y, b):
+        return fused_linear_cross_entropy(x, w, y, b, policy=chunk64, grad_weight_filter=EPS)
+
+    for k in ("x", "w", "b"):
+        t[k].grad = None
+    loss_fn(t["x"], t["w"], t["y"], t["b"]).backward()
+    assert torch.equal(t["x"].grad, eager[2]["x"])
+    assert torch.equal(t["w"].grad, eager[2]["w"]) and torch.equal(t["b"].grad, eager[2]["b"])
