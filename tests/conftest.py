@@ -15,7 +15,16 @@ import os
 
 import pytest
 
+#: the thread-pool sizes of torch (OpenMP) and numpy (OpenBLAS)
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# One compute thread per process (torch's OpenMP pool, numpy's OpenBLAS under the interpreter), inherited by
+# the processes the tests spawn: xdist already runs one worker per core, and the tensors here are tiny, so a
+# second thread only spins waiting for work on a core another worker needs (a tiny HF model's step took
+# twice the CPU time with torch's default of one thread per core). Set before torch or numpy is imported.
+for _variable in THREAD_VARIABLES:
+    os.environ.setdefault(_variable, "1")
 
 import _interpreter_patch  # noqa: E402
 

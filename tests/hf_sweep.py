@@ -1,9 +1,10 @@
 """Every causal-LM and image-text-to-text model type of the installed transformers, tiny, through ``apply_flce``.
 
-Each type is built from its own config class with the sizes shrunk (hidden 64, 2 layers, vocab
-512, fp32), its logit transforms switched on with values that change the loss and its router
-losses on where the config has them, and its head scaled up so that the logits are a few units
-wide (a softcap of 2 then bends them). A twin with the same weights runs HF's own loss. Outcomes:
+Each type is built from its own config class with the sizes shrunk (hidden 64, 2 layers, vocab 512,
+fp32; state-space and linear-attention mixers of a few heads, state 16), its logit transforms
+switched on with values that change the loss and its router losses on where the config has them, and
+its head scaled up so that the logits are a few units wide (a softcap of 2 then bends them). A twin
+with the same weights runs HF's own loss. Outcomes:
 
 - ``matched``: in ``eval()`` mode with autograd recording, the loss (``return_dict`` True and
   False) within 1e-4 of HF's and the head and input-embedding gradients within 1e-3 (max-norm
@@ -51,6 +52,7 @@ SIZES = {
     **dict.fromkeys(("intermediate_size", "ffn_dim", "n_inner", "d_ff", "ffn_hidden_size"), 128),
     **dict.fromkeys(("decoder_ffn_dim", "encoder_ffn_dim"), 128),
     **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size"), 32),
+    **dict.fromkeys(("shared_intermediate_size", "moe_shared_expert_intermediate_size"), 32),
     **dict.fromkeys(("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers"), 2),
     **dict.fromkeys(("encoder_layers", "num_decoder_layers"), 2),
     **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "num_heads"), 4),
@@ -72,6 +74,22 @@ SIZES = {
     "pad_token_id": 0,
     "bos_token_id": 1,
     "eos_token_id": 2,
+    # state-space and linear-attention mixers: their defaults (128 heads of state 256, scanned in chunks of
+    # 256 that a 4-token sequence is padded to) made a Mamba hybrid's step take a minute on the CPU
+    **dict.fromkeys(("mamba_n_heads", "mamba_num_heads"), 8),
+    **dict.fromkeys(("mamba_d_head", "mamba_head_dim"), 16),  # 8 heads x 16 = 2 x hidden 64 (expand 2)
+    "mamba_d_ssm": 128,
+    **dict.fromkeys(("mamba_d_state", "ssm_state_size"), 16),
+    **dict.fromkeys(("mamba_chunk_size", "chunk_size"), SEQ),
+    **dict.fromkeys(("linear_num_heads", "linear_num_key_heads"), 2),
+    "linear_num_value_heads": 4,
+    **dict.fromkeys(("linear_head_dim", "linear_key_head_dim", "linear_value_head_dim"), 16),
+    # tables and towers the text path builds but barely uses (millions of parameters each, to initialise)
+    "encoder_hash_byte_group_vocab": VOCAB,
+    "hidden_size_global": 64,
+    **dict.fromkeys(("projection_dim", "image_token_embed_dim"), 64),
+    "num_embeddings": 64,
+    "expert_ffn_hidden_size": 32,
 }
 #: multi-head latent attention's dims, consistent with each other
 MLA = {"qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "kv_lora_rank": 16, "q_lora_rank": 32}

@@ -5,7 +5,7 @@ type is one test: ``matched``, ``refused`` (flce-policy's own error naming what 
 ``skipped`` (the reason listed in docs/integrations.md's table) pass; a different loss or a crash
 inside a library fails.
 
-The whole sweep takes minutes (the Triton interpreter runs each loss); a CI matrix can split it
+The whole sweep takes about a minute of CPU (the Triton interpreter runs each loss); a CI matrix can split it
 with ``FLCE_HF_SWEEP_SHARD=k/n`` (this job runs the types ``k, k+n, k+2n, ...`` of the sorted list).
 """
 
