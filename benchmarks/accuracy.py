@@ -1,8 +1,10 @@
 """Loss and gradient error of each method against the fp32 reference, on the bench's inputs.
 
-``python -m flce_policy.benchmarks.accuracy [--shapes 4096x1024x32768] [--methods PATTERN ...] [--out FILE]``
-prints one row per method: |loss - reference|, and the relative L2 error of grad_input and
-grad_weight (:func:`~.reference.rel_l2`). The issue's accuracy shape is the default.
+``python -m flce_policy.benchmarks.accuracy [--shapes 4096x1024x32768 | --inputs trained|FILE] [--methods PATTERN ...]
+[--out FILE]`` prints one row per method: |loss - reference|, and the relative L2 error of grad_input and
+grad_weight (:func:`~.reference.rel_l2`). The issue's accuracy shape is the default. A row with a
+``grad_weight_filter`` also gets the share of its ``FILTER_ROWS x FILTER_COLS`` tiles that the
+rule skips, counted on the inputs in plain torch (:func:`.logit_stats.logit_distribution`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import argparse
 import gc
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -19,8 +21,9 @@ import torch
 from .methods import Inputs, Method, Unavailable, default_methods, make_inputs, select_methods
 from .reference import chunked_fp32_reference, rel_l2
 from .suite import expand_shapes, format_shape, parse_shapes
+from .trained_inputs import inputs_from_spec
 
-__all__ = ["AccuracyRecord", "method_errors", "main"]
+__all__ = ["AccuracyRecord", "method_errors", "run_accuracy", "skipped_share", "main"]
 
 ACCURACY_SHAPE = (4096, 1024, 32768)
 #: The rows worth an accuracy figure by default: ours at its default, the peers at theirs.
@@ -34,6 +37,7 @@ class AccuracyRecord:
     loss_error: float | None = None  # |loss - fp32 reference loss|, nats
     grad_input_error: float | None = None  # relative L2
     grad_weight_error: float | None = None  # relative L2
+    skipped_tiles: float | None = None  # share of the filter's tiles skippable at its eps (filtered rows)
     status: str = "ok"
 
 
@@ -62,20 +66,31 @@ def method_errors(method: Method, inputs: Inputs, reference: tuple[torch.Tensor,
     return record
 
 
-def run_accuracy(
-    shapes: Sequence[tuple[int, int, int]], methods: Sequence[Method], *, logit_std: float
-) -> list[AccuracyRecord]:
+def skipped_share(inputs: Inputs, eps: float) -> float:
+    """Share of the filter's tiles in which every per-token |softmax - onehot| is below ``eps``."""
+    from flce_policy.plan.weight_filter import FILTER_COLS, FILTER_ROWS
+
+    from .logit_stats import logit_distribution
+
+    tile = (FILTER_ROWS, FILTER_COLS)
+    report = logit_distribution(inputs.x, inputs.weight, inputs.target, eps=[eps], tiles=[tile], gradient_shares=False)
+    return report["tiles"][0]["skippable"]
+
+
+def run_accuracy(inputs_list: Iterable[Inputs], methods: Sequence[Method]) -> list[AccuracyRecord]:
     records = []
-    for shape in shapes:
-        inputs = make_inputs(*shape, logit_std=logit_std)
+    for inputs in inputs_list:
         reference = chunked_fp32_reference(inputs.x, inputs.weight, inputs.target)
         for method in methods:
             if method.loss is None:
                 continue
             record = method_errors(method, inputs, reference)
+            eps = method.options.get("grad_weight_filter")
+            if eps is not None and record.status == "ok":
+                record.skipped_tiles = skipped_share(inputs, eps)
             records.append(record)
             print(_format(record), flush=True)
-        del inputs, reference
+        del reference
         gc.collect()
         torch.cuda.empty_cache()
     return records
@@ -87,6 +102,7 @@ def _format(r: AccuracyRecord) -> str:
     return (
         f"{format_shape(r.shape):>20} {r.method:34} loss {r.loss_error:.2e}  "
         f"grad_input {r.grad_input_error:.5f}  grad_weight {r.grad_weight_error:.5f}"
+        + ("" if r.skipped_tiles is None else f"  tiles skipped {r.skipped_tiles:.1%}")
     )
 
 
@@ -97,13 +113,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--shapes", nargs="+", type=parse_shapes, metavar="BTxHxV", help="default: 4096x1024x32768")
     parser.add_argument("--methods", nargs="+", metavar="PATTERN", help=f"default: {' '.join(DEFAULT_METHODS)}")
     parser.add_argument("--logit-std", type=float, default=4.0)
+    parser.add_argument("--inputs", metavar="SPEC", help="trained, or a trained-inputs cache file, instead of --shapes")
     parser.add_argument("--out", metavar="FILE", help="write the records as JSON")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: the accuracy benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
     methods = [m for m in select_methods(default_methods(), args.methods or DEFAULT_METHODS) if m.loss is not None]
-    records = run_accuracy(expand_shapes(args.shapes, (ACCURACY_SHAPE,)), methods, logit_std=args.logit_std)
+    if args.inputs and args.shapes:
+        print("error: --inputs comes with its own shape; give --shapes or --inputs", file=sys.stderr)
+        return 2
+    if args.inputs:
+        inputs, _label = inputs_from_spec(args.inputs)
+        inputs_list = [inputs]
+    else:
+        shapes = expand_shapes(args.shapes, (ACCURACY_SHAPE,))
+        inputs_list = (make_inputs(*shape, logit_std=args.logit_std) for shape in shapes)
+    records = run_accuracy(inputs_list, methods)
     if args.out:
         with open(args.out, "w") as handle:
             json.dump([asdict(r) for r in records], handle, indent=1)

@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .trained_config import RANDOM_INPUTS, TRAINED_INPUTS
+
 __all__ = ["main", "build_parser", "Parser", "UsageError", "shape_arg", "positive_float", "int_at_least"]
 
 JSON_NAME, CSV_NAME, PNG_NAME = "bench.json", "bench.csv", "bench.png"
@@ -25,8 +27,6 @@ DEFAULT_REPEATS = 5
 DEFAULT_WARMUP = 2
 MIN_REPEATS = 5  # a median of fewer is too noisy to hold a 1.08x target to
 _GPU_ONLY = ("shapes", "methods", "logit_std", "repeats", "warmup", "inputs")
-#: --inputs values besides a cache file's path; "random" is the default
-RANDOM_INPUTS, TRAINED_INPUTS = "random", "trained"
 
 
 class UsageError(Exception):
@@ -252,24 +252,13 @@ def _measure(args: argparse.Namespace) -> int:
 
 
 def _trained_inputs(spec: str | None) -> tuple[Any, str]:
-    """(Inputs, label) of --inputs: (None, "random") for random inputs; a trained build's otherwise."""
-    if spec in (None, RANDOM_INPUTS):
-        return None, RANDOM_INPUTS
-    import torch
+    """(Inputs, label) of --inputs (:func:`.trained_inputs.inputs_from_spec`); a build that fails is a UsageError."""
+    from .trained_inputs import inputs_from_spec
 
-    from .trained_config import TrainedConfig
-    from .trained_inputs import MAX_TRAIN_SECONDS, load_or_build, trained_inputs
-    from .trained_model import TrainingTooSlow
-    from .trained_tokenizer import VocabTooLarge
-
-    if spec == TRAINED_INPUTS:
-        try:
-            data = load_or_build(TrainedConfig(), max_train_seconds=MAX_TRAIN_SECONDS)
-        except (VocabTooLarge, TrainingTooSlow) as err:
-            raise UsageError(f"--inputs trained: {err}") from None
-    else:  # a cache file's path (run() checked it exists)
-        data = torch.load(spec, map_location="cpu", weights_only=True)
-    return trained_inputs(data, "cuda"), f"{TRAINED_INPUTS} {data['key']}"
+    try:
+        return inputs_from_spec(spec)
+    except ValueError as err:
+        raise UsageError(f"--inputs {spec}: {err}") from None
 
 
 def _rerender(path: Path, args: argparse.Namespace) -> int:

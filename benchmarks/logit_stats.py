@@ -2,7 +2,8 @@
 
 For logits ``x @ W.T`` (in fp32, from the bf16 inputs) and targets, per token: p = softmax, and
 G = p - onehot(target), the gradient of that token's loss before any reduction's scale (ignored
-tokens have G = 0). A tile of ``t`` tokens by ``t`` vocabulary columns is *skippable* at ``eps``
+tokens have G = 0). A tile of ``r`` tokens by ``c`` vocabulary columns (a square ``t`` or a pair
+``(r, c)``; ``(64, 128)`` is :mod:`flce_policy.kernels.weight_grad_filter`'s) is *skippable* at ``eps``
 when every |G| in it is below eps; a tile holding a target never is (|p - 1| is near 1 there).
 Tiles are counted in the natural vocab order and, given a permutation, with the columns in that
 order (most frequent token first). For each (order, tile, eps) the report also gives the share of
@@ -20,23 +21,36 @@ from typing import Any
 
 import torch
 
+from flce_policy.plan.weight_filter import FILTER_COLS, FILTER_ROWS
+
 __all__ = ["DEFAULT_EPS", "DEFAULT_TILES", "logit_distribution"]
 
 DEFAULT_EPS: tuple[float, ...] = (2.0**-8, 2.0**-12, 2.0**-16)
-DEFAULT_TILES: tuple[int, ...] = (64, 128)
+DEFAULT_TILES: tuple[int | tuple[int, int], ...] = (64, 128, (FILTER_ROWS, FILTER_COLS))
+Tile = tuple[int, int]  # (token rows, vocab columns)
 
 
-def _tile_max(values: torch.Tensor, tile: int) -> torch.Tensor:
-    """[R, C] -> [ceil(R/t), ceil(C/t)] maxima of t x t tiles (values >= 0; padding with 0 changes none)."""
+def _tile_shape(tile: int | Sequence[int]) -> Tile:
+    return (tile, tile) if isinstance(tile, int) else (int(tile[0]), int(tile[1]))
+
+
+def _tile_label(tile: Tile) -> int | str:
+    """A square tile as its side (64), another as "64x128"."""
+    return tile[0] if tile[0] == tile[1] else f"{tile[0]}x{tile[1]}"
+
+
+def _tile_max(values: torch.Tensor, tile: Tile) -> torch.Tensor:
+    """[R, C] -> [ceil(R/r), ceil(C/c)] maxima of r x c tiles (values >= 0; padding with 0 changes none)."""
     rows, cols = values.shape
-    padded = torch.nn.functional.pad(values, (0, -cols % tile, 0, -rows % tile))
+    tr, tc = tile
+    padded = torch.nn.functional.pad(values, (0, -cols % tc, 0, -rows % tr))
     r, c = padded.shape
-    return padded.view(r // tile, tile, c // tile, tile).amax(dim=(1, 3))
+    return padded.view(r // tr, tr, c // tc, tc).amax(dim=(1, 3))
 
 
-def _expand(mask: torch.Tensor, tile: int, rows: int, cols: int) -> torch.Tensor:
+def _expand(mask: torch.Tensor, tile: Tile, rows: int, cols: int) -> torch.Tensor:
     """A per-tile mask back to [rows, cols] elements."""
-    return mask.repeat_interleave(tile, 0).repeat_interleave(tile, 1)[:rows, :cols]
+    return mask.repeat_interleave(tile[0], 0).repeat_interleave(tile[1], 1)[:rows, :cols]
 
 
 def logit_distribution(
@@ -46,7 +60,7 @@ def logit_distribution(
     *,
     vocab_order: torch.Tensor | None = None,
     eps: Sequence[float] = DEFAULT_EPS,
-    tiles: Sequence[int] = DEFAULT_TILES,
+    tiles: Sequence[int | tuple[int, int]] = DEFAULT_TILES,
     chunk_rows: int = 1024,
     ignore_index: int = -100,
     gradient_shares: bool = True,
@@ -57,8 +71,9 @@ def logit_distribution(
     "frequency" order to the tile counts. CE and entropy are means over non-ignored tokens in nats;
     ``logit_std`` is over all their logits; ``below_eps`` the share of their softmax entries < eps.
     """
-    if any(chunk_rows % t for t in tiles):
-        raise ValueError(f"chunk_rows {chunk_rows} must be a multiple of every tile size {tuple(tiles)}")
+    tiles = [_tile_shape(t) for t in tiles]
+    if any(chunk_rows % rows for rows, _ in tiles):
+        raise ValueError(f"chunk_rows {chunk_rows} must be a multiple of every tile's rows {tuple(tiles)}")
     tokens, vocab = x.shape[0], weight.shape[0]
     w = weight.float()
     orders: dict[str, torch.Tensor | None] = {"natural": None}
@@ -66,7 +81,7 @@ def logit_distribution(
         orders["frequency"] = vocab_order.to(weight.device)
     combos = [(o, t, e) for o in orders for t in tiles for e in eps]
     skippable = {c: 0 for c in combos}
-    n_tiles = {t: -(-tokens // t) * -(-vocab // t) for t in tiles}
+    n_tiles = {t: -(-tokens // t[0]) * -(-vocab // t[1]) for t in tiles}
     gw_full = torch.zeros_like(w) if gradient_shares else None
     gw_skip = {c: torch.zeros_like(w) for c in combos} if gradient_shares else {}
     gi_full_sq, gi_skip_sq = 0.0, {c: 0.0 for c in combos}
@@ -128,7 +143,12 @@ def logit_distribution(
     gw_norm = gw_full.norm().item() if gradient_shares else None
     for key in combos:
         order_name, t, e = key
-        row: dict[str, Any] = {"order": order_name, "tile": t, "eps": e, "skippable": skippable[key] / n_tiles[t]}
+        row: dict[str, Any] = {
+            "order": order_name,
+            "tile": _tile_label(t),
+            "eps": e,
+            "skippable": skippable[key] / n_tiles[t],
+        }
         if gradient_shares:
             row["grad_weight_share"] = gw_skip[key].norm().item() / gw_norm if gw_norm else 0.0
             row["grad_input_share"] = (gi_skip_sq[key] / gi_full_sq) ** 0.5 if gi_full_sq else 0.0

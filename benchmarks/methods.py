@@ -54,6 +54,8 @@ FLOOR = "gemm_floor"
 PEER_DEFAULTS = frozenset({"liger_c1_bf16", "liger_c1_fp32", "quack", "cce", "eager"})
 #: The rows' grad_weight accumulation: the label and the loss's ``accum_dtype``.
 _ACCUM_DTYPES: dict[str, torch.dtype | None] = {"bf16": None, "fp32": torch.float32}
+#: The grad_weight filters benched: eps = 2^-12 and 2^-16 (issue 26's two).
+FILTER_EXPONENTS = (12, 16)
 #: The peak limit of the lean Fastest row: under liger-kernel fp32 (8.20 GiB at 32768x5376x262144)
 #: by 5 GiB, and within it the two bf16 gradients (2.95 GiB there) and a 256 MiB slab.
 LEAN_PEAK = "3276MiB"
@@ -141,12 +143,18 @@ def gemm_floor(inputs: Inputs) -> Step:
     return step
 
 
-def ours(policy_factory: Callable[[Inputs], Any], accum_dtype: torch.dtype | None = None) -> Callable[[Inputs], LossFn]:
+def ours(
+    policy_factory: Callable[[Inputs], Any], accum_dtype: torch.dtype | None = None, **options: Any
+) -> Callable[[Inputs], LossFn]:
+    """Our loss under ``policy_factory(inputs)``, with loss ``options`` (e.g. ``grad_weight_filter``)."""
+
     def build(inputs: Inputs) -> LossFn:
         from flce_policy import fused_linear_cross_entropy
 
         policy = policy_factory(inputs)
-        return lambda x, w: fused_linear_cross_entropy(x, w, inputs.target, policy=policy, accum_dtype=accum_dtype)
+        return lambda x, w: fused_linear_cross_entropy(
+            x, w, inputs.target, policy=policy, accum_dtype=accum_dtype, **options
+        )
 
     return build
 
@@ -314,6 +322,18 @@ def default_methods(
             plan=within_liger.geometry,
         )
     )
+    # grad_weight_filter (issue 26): the default policy, grad_weight skipping the tiles below 2^-12 / 2^-16
+    for exponent in FILTER_EXPONENTS:
+        eps = 2.0**-exponent
+        methods.append(
+            Method(
+                f"ours_filter{exponent}_bf16",
+                "ours filtered",
+                ours(lambda _inputs: policy, grad_weight_filter=eps),
+                options={"grad_weight_filter": eps},
+                plan=policy.resolve,
+            )
+        )
     methods.append(Method("quack", "quack", quack()))
     methods.append(Method("cce", "cce", cce()))
     methods.append(Method("cce_nofilter", "cce", cce(None)))

@@ -33,12 +33,13 @@ FAMILY_COLOURS = {
     "ours vocab-tiled": "tab:purple",
     "ours fastest": "tab:brown",
     "ours within peak": "tab:pink",
+    "ours filtered": "tab:olive",
     "liger": "tab:orange",
     "cce": "tab:green",
     "quack": "tab:cyan",
     "eager": "tab:gray",
 }
-_OTHER_COLOURS = ("tab:olive", "black")  # families the table above does not know
+_OTHER_COLOURS = ("black",)  # families the table above does not know
 ACCUM_MARKERS = {"bf16": "o", "fp32": "^"}  # fp32 grad_weight accumulation: a triangle
 _SIZES = {"default": 90, "point": 40}  # scatter areas, points squared: a default stands out
 

@@ -61,6 +61,8 @@ def label_text(r: Record) -> str:
         return f"fastest {fastest[1]}" + (f", peak {fastest[2]}" if fastest[2] else "")
     if r.family == "liger":
         return f"Liger {r.method.split('_')[1]}{chunk}"  # liger_c16_bf16 -> Liger c16 (2048)
+    if r.family == "ours filtered":
+        return f"filter 2^-{r.method.removeprefix('ours_filter').split('_')[0]}{chunk}"
     if r.family == "ours within peak":
         return f"within Liger c16's peak{chunk}"
     return {"cce": "CCE", "cce_nofilter": "CCE, no filter", "quack": "QuACK"}.get(r.method, r.method)

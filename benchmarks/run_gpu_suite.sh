@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU half of the project, in one script, for the H200 the device tool lends:
-#   bash benchmarks/run_gpu_suite.sh [tests] [bench] [smallheads] [compile] [hf] [sharded] [trained] [quick METHODS SHAPES...]
+#   bash benchmarks/run_gpu_suite.sh [tests] [bench] [smallheads] [compile] [hf] [sharded] [trained] [convergence]
+#     [quick METHODS SHAPES...]
 # (smallheads: the small- and large-head shape sets against QuACK and Liger, and the accuracy table;
 # QuACK's wheels go to a directory of their own whose path holds /site-packages/, put on PYTHONPATH
 # with its nvidia_cutlass_dsl/dsl_packages — ../shared/INTEGRATION-NOTES.md says why)
@@ -8,7 +9,9 @@
 # benchmark and the 50-step check; sharded: FSDP2 / ZeRO-3 on one GPU and the saturation scenario,
 # with DeepSpeed's wheels in .whl/ds/ — see docs/fsdp-zero3.md; trained: train the small Llama of
 # benchmarks/trained_inputs.py, report its logits, then bench issue 26's methods on its held-out inputs, all in
-# $OUT/trained — one call, since the cache it builds lives on the machine only)
+# $OUT/trained — one call, since the cache it builds lives on the machine only, and the same rows on
+# random logits; convergence: the model trained with grad_weight_filter off, off again and on,
+# CONVERGENCE_STEPS steps each)
 # Expects wheels in .whl/ (ours, built with `python -m build --wheel -o .whl`, plus the peers
 # liger-kernel and cut-cross-entropy); installs them into /tmp/site and runs from outside the
 # checkout so the installed package (with its package-dir mapping) is what gets imported.
@@ -51,11 +54,24 @@ while [ $# -gt 0 ]; do
         "$out/z3s" 2>&1 | tee "$out/zero3_saturation.log" || status=1
       shift ;;
     trained)
-      mkdir -p "$out/trained"
-      python3 -m flce_policy.benchmarks.trained_inputs --out "$out/trained" 2>&1 | tee "$out/trained/trained_inputs.log" || status=1
-      # issue 26's rows (the floor always runs): one call holds training and bench, inside 10 minutes
-      python3 -m flce_policy.cli bench --inputs trained --methods ours_default_bf16 liger_c16_bf16 'cce*' \
-        --out "$out/trained" 2>&1 | tee "$out/trained/bench.log" || status=1
+      d="$out/trained"
+      mkdir -p "$d"
+      python3 -m flce_policy.benchmarks.trained_inputs --out "$d" 2>&1 | tee "$d/trained_inputs.log" || status=1
+      # issue 26's rows (the floor always runs) on the trained model's held-out inputs, then on random
+      # logits (std 4) of the same shape, where nothing is skippable; time and peak, then the errors
+      methods=(ours_default_bf16 ours_filter12_bf16 ours_filter16_bf16 liger_c16_bf16 'cce*')
+      for inputs in trained random; do
+        if [ "$inputs" = trained ]; then pick=(--inputs trained); else pick=(--shapes 16384x1024x131072); fi
+        python3 -m flce_policy.cli bench "${pick[@]}" --methods "${methods[@]}" --out "$d/bench-$inputs" 2>&1 \
+          | tee "$d/bench-$inputs.log" || status=1
+        python3 -m flce_policy.benchmarks.accuracy "${pick[@]}" --methods "${methods[@]}" \
+          --out "$d/accuracy-$inputs.json" 2>&1 | tee "$d/accuracy-$inputs.log" || status=1
+      done
+      shift ;;
+    convergence)
+      # three trainings of the trained-inputs model from one seed: filter off, off again, on (2^-12)
+      python3 -m flce_policy.benchmarks.convergence --out "$out/convergence" ${CONVERGENCE_STEPS:+--steps "$CONVERGENCE_STEPS"} \
+        2>&1 | tee "$out/convergence.log" || status=1
       shift ;;
     quick)
       python3 -m flce_policy.benchmarks.quick "$2" "${@:3}" 2>&1 | tee "$out/quick.log" || status=1

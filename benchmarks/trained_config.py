@@ -11,10 +11,14 @@ import hashlib
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["TrainedConfig", "cache_key", "CACHE_FORMAT"]
+__all__ = ["TrainedConfig", "cache_key", "CACHE_FORMAT", "RANDOM_INPUTS", "TRAINED_INPUTS"]
 
 #: Bumped when what a cache file holds, or how it is built, changes: old files are then rebuilt.
 CACHE_FORMAT = 1
+
+
+#: ``--inputs`` values besides a cache file's path; "random" is the default (the bench's own inputs per shape).
+RANDOM_INPUTS, TRAINED_INPUTS = "random", "trained"
 
 
 class TrainedConfig(BaseModel):

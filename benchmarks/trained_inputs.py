@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from .methods import Inputs
-from .trained_config import TrainedConfig, cache_key
+from .trained_config import RANDOM_INPUTS, TRAINED_INPUTS, TrainedConfig, cache_key
 from .trained_corpus import Corpus
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "cache_path",
     "load_or_build",
     "trained_inputs",
+    "inputs_from_spec",
     "frequency_order",
     "distribution_report",
     "main",
@@ -192,6 +193,27 @@ def load_or_build(
 def trained_inputs(data: dict[str, Any], device: torch.device | str = "cuda") -> Inputs:
     """The cached tensors as bench :class:`Inputs` on ``device``."""
     return Inputs(data["x"].to(device), data["weight"].to(device), data["target"].to(device))
+
+
+def inputs_from_spec(spec: str | None, device: torch.device | str = "cuda") -> tuple[Inputs | None, str]:
+    """(Inputs, label) of an ``--inputs`` value: (None, "random") for random inputs; else a trained build's.
+
+    "trained" loads (or builds) the default config's cache; any other value is a cache file's path.
+    A build that cannot be made (too few tokens for the vocab, too slow) is a ValueError.
+    """
+    if spec in (None, RANDOM_INPUTS):
+        return None, RANDOM_INPUTS
+    from .trained_model import TrainingTooSlow
+    from .trained_tokenizer import VocabTooLarge
+
+    if spec == TRAINED_INPUTS:
+        try:
+            data = load_or_build(TrainedConfig(), max_train_seconds=MAX_TRAIN_SECONDS)
+        except (VocabTooLarge, TrainingTooSlow) as err:
+            raise ValueError(str(err)) from None
+    else:
+        data = torch.load(spec, map_location="cpu", weights_only=True)
+    return trained_inputs(data, device), f"{TRAINED_INPUTS} {data['key']}"
 
 
 def frequency_order(token_counts: torch.Tensor) -> torch.Tensor:

@@ -162,7 +162,7 @@ def test_reports_are_written(builds, tmp_path):
     assert summary["key"] == cache_key(TINY) and summary["config"] == TINY.model_dump()
     assert summary["final_loss"] == data["losses"][-1]
     assert {(r["order"], r["tile"]) for r in summary["distribution"]["tiles"]} == {
-        (order, tile) for order in ("natural", "frequency") for tile in (64, 128)
+        (order, tile) for order in ("natural", "frequency") for tile in (64, 128, "64x128")
     }
     assert json.loads((tmp_path / "loss_curve.json").read_text()) == [[i + 1, v] for i, v in enumerate(data["losses"])]
     assert (tmp_path / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -192,16 +192,18 @@ def _reference(x, weight, target, vocab_order, eps, tiles, ignore_index=-100):
     for order, perm in (("natural", torch.arange(weight.shape[0])), ("frequency", vocab_order)):
         g, w = grad[:, perm], weight.double()[perm]
         for t in tiles:
+            tr, tc = (t, t) if isinstance(t, int) else t
+            label = t if isinstance(t, int) else f"{tr}x{tc}"
             for e in eps:
                 kept = torch.zeros_like(g)
                 skipped = total = 0
-                for r in range(0, g.shape[0], t):
-                    for c in range(0, g.shape[1], t):
+                for r in range(0, g.shape[0], tr):
+                    for c in range(0, g.shape[1], tc):
                         total += 1
-                        if g[r : r + t, c : c + t].abs().max() < e:
+                        if g[r : r + tr, c : c + tc].abs().max() < e:
                             skipped += 1
-                            kept[r : r + t, c : c + t] = g[r : r + t, c : c + t]
-                ref["tiles"][order, t, e] = (
+                            kept[r : r + tr, c : c + tc] = g[r : r + tr, c : c + tc]
+                ref["tiles"][order, label, e] = (
                     skipped / total,
                     (kept.t() @ x.double()).norm().item() / gw.norm().item(),
                     (kept @ w).norm().item() / gi.norm().item(),
@@ -220,7 +222,7 @@ def test_distribution_report_matches_a_direct_computation():
     target = torch.randint(0, vocab, (tokens,), generator=gen)
     target[::17] = -100
     order = torch.randperm(vocab, generator=gen)
-    eps, tiles = (2.0**-4, 2.0**-8, 2.0**-12), (8, 16)
+    eps, tiles = (2.0**-4, 2.0**-8, 2.0**-12), (8, 16, (8, 16))
 
     got = logit_distribution(x, weight, target, vocab_order=order, eps=eps, tiles=tiles, chunk_rows=32)
     ref = _reference(x.float(), weight.float(), target, order, eps, tiles)
@@ -241,7 +243,7 @@ def test_distribution_report_matches_a_direct_computation():
 
 def test_chunk_rows_must_hold_whole_tiles():
     x, w, t = torch.zeros(4, 2), torch.zeros(3, 2), torch.zeros(4, dtype=torch.long)
-    with pytest.raises(ValueError, match="multiple of every tile size"):
+    with pytest.raises(ValueError, match="multiple of every tile's rows"):
         logit_distribution(x, w, t, tiles=(64, 128), chunk_rows=96)
 
 
