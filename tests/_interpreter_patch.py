@@ -11,6 +11,9 @@ call's CPU time (8.3 s -> 4.1 s without them). Here a call whose ``triton.langua
 already patched during the running launch skips it; the launch itself and each first call patch as
 before. The kernels compute bit for bit what they computed. With a Triton whose interpreter lacks
 these internals nothing is changed.
+
+Also kept: the interpreter's Triton -> numpy dtype table, which it otherwise builds again at every
+cast, load and splat (``keep_numpy_dtype_table``).
 """
 
 from __future__ import annotations
@@ -19,17 +22,49 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["for_tests", "skip_repeated_lang_patching"]
+__all__ = ["for_tests", "keep_numpy_dtype_table", "skip_repeated_lang_patching"]
 
 #: Set to 1 to run Triton's interpreter as shipped (to compare, or to rule this module out).
 STOCK_INTERPRETER_VARIABLE = "FLCE_TESTS_STOCK_INTERPRETER"
 
 
 def for_tests() -> bool:
-    """What conftest and the tests' own worker processes call: the skip when the kernels are interpreted."""
+    """What conftest and the tests' own worker processes call: the skip (and the dtype table kept) when the
+    kernels are interpreted."""
     if os.environ.get("TRITON_INTERPRET") != "1" or os.environ.get(STOCK_INTERPRETER_VARIABLE) == "1":
         return False
+    keep_numpy_dtype_table()
     return skip_repeated_lang_patching()
+
+
+def keep_numpy_dtype_table() -> bool:
+    """Remember the interpreter's Triton -> numpy dtype answers instead of building its 19-entry table again
+    at every cast, load and splat (180k times in tests/test_loss_kernel.py's option checks, 7% of their
+    CPU time). The same answer for the same dtype; False (nothing changed) where the interpreter differs."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    stock: Callable[[Any], Any] | None = getattr(interpreter, "_get_np_dtype", None)
+    if stock is None:
+        return False
+    if getattr(stock, "keeps_table", False):
+        return True
+    answers: dict[Any, Any] = {}
+
+    def np_dtype(tt_dtype):
+        if isinstance(tt_dtype, tl.block_type):  # a block's numpy dtype is its element's, pointers included
+            tt_dtype = tt_dtype.element_ty
+        if isinstance(tt_dtype, tl.pointer_type):
+            return stock(tt_dtype)
+        if tt_dtype not in answers:
+            answers[tt_dtype] = stock(tt_dtype)
+        return answers[tt_dtype]
+
+    np_dtype.keeps_table = True
+    interpreter._get_np_dtype = np_dtype
+    return True
 
 
 class _NothingToRestore:
