@@ -22,6 +22,8 @@ grad_input is not filtered: the driver keeps it dense.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -35,7 +37,14 @@ from .interpreter import KERNELS_INTERPRETED
 if TYPE_CHECKING:
     from .driver_call import DriverCall
 
-__all__ = ["FilterScratch", "filter_scratch", "filter_scratch_for", "filtered_weight_grad"]
+__all__ = [
+    "FilterScratch",
+    "TileCount",
+    "filter_scratch",
+    "filter_scratch_for",
+    "filtered_weight_grad",
+    "observe_tiles",
+]
 
 #: grad_weight columns (hidden units) per program.
 _BLOCK_H = 128
@@ -47,6 +56,28 @@ class FilterScratch(NamedTuple):
     flags: torch.Tensor  # [rows, cdiv(tile_cols, FILTER_COLS)] uint8, written by the CE finish kernel
     tiles: torch.Tensor  # [cdiv(tile_cols, FILTER_COLS), cdiv(rows, FILTER_ROWS)] int32: kept row tiles, listed
     counts: torch.Tensor  # [cdiv(tile_cols, FILTER_COLS)] int32: how many are listed
+
+
+class TileCount(NamedTuple):
+    """One filtered launch's tiles: ``kept`` (a 0-dim int tensor on the device: no host sync) of ``total``."""
+
+    kept: torch.Tensor
+    total: int
+
+
+_observers: list[list[TileCount]] = []
+
+
+@contextmanager
+def observe_tiles() -> Iterator[list[TileCount]]:
+    """Record the kept and total tiles of every filtered grad_weight launch inside the block (tests, benchmarks):
+    the skipped share is ``1 - sum(kept) / sum(total)``. Costs one small reduction per launch while observed."""
+    counts: list[TileCount] = []
+    _observers.append(counts)
+    try:
+        yield counts
+    finally:
+        _observers.remove(counts)
 
 
 def filter_scratch(rows: int, tile_cols: int, device: torch.device) -> FilterScratch:
@@ -168,6 +199,10 @@ def filtered_weight_grad(
     _kept_tiles_kernel[(col_blocks,)](
         flags, flags.stride(0), tiles, tiles.stride(0), counts, n_rows, BLOCK_K=FILTER_ROWS, num_warps=1
     )
+    if _observers:
+        count = TileCount(counts[:col_blocks].sum(), col_blocks * triton.cdiv(n_rows, FILTER_ROWS))
+        for observer in _observers:
+            observer.append(count)
     hidden = x_chunk.shape[1] if grad_weight is not None else 1
     block_h = min(_BLOCK_H, max(16, triton.next_power_of_2(hidden)))
     _filtered_weight_grad_kernel[(triton.cdiv(hidden, block_h), col_blocks)](
