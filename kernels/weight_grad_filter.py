@@ -36,6 +36,7 @@ from .interpreter import KERNELS_INTERPRETED
 
 if TYPE_CHECKING:
     from .driver_call import DriverCall
+    from .row_partials import CEWorkspace
 
 __all__ = [
     "FilterScratch",
@@ -43,11 +44,52 @@ __all__ = [
     "filter_scratch",
     "filter_scratch_for",
     "filtered_weight_grad",
+    "finish_kernel_args",
     "observe_tiles",
+    "store_flags",
 ]
 
 #: grad_weight columns (hidden units) per program.
 _BLOCK_H = 128
+
+
+# --------------------------------------------------------------------------- the flags (in the CE finish kernel)
+
+
+@triton.jit
+def store_flags(
+    flag_row_ptr, keep, start, col_stop, BLOCK_V: tl.constexpr, GROUPS: tl.constexpr, FLAG_COLS: tl.constexpr
+):
+    """One uint8 per ``FLAG_COLS`` columns of the ``BLOCK_V`` block at ``start``: 1 where some column is kept.
+
+    Called by the CE finish kernel per block of a row. ``GROUPS`` is ``BLOCK_V // FLAG_COLS`` (1 when the
+    block is narrower: then it is the whole tile).
+    """
+    flags = tl.max(tl.reshape(keep.to(tl.int32), (GROUPS, BLOCK_V // GROUPS)), axis=1)
+    index = start // FLAG_COLS + tl.arange(0, GROUPS)
+    tl.store(flag_row_ptr + index, flags.to(tl.uint8), mask=index * FLAG_COLS < col_stop)
+
+
+def finish_kernel_args(ws: CEWorkspace, flags: torch.Tensor | None, eps: float) -> dict:
+    """The CE finish kernel's filter arguments: none (the kernel as without a filter) when ``flags`` is None."""
+    if flags is None:
+        return {}
+    one_block = ws.segments_per_tile == 1 and ws.segment_len == ws.block_v
+    if ws.block_v < FILTER_COLS and not one_block:
+        # one block writes a flag whole (no atomics): a narrower block only when it is the whole tile, as
+        # MAX_BLOCK_V >= FILTER_COLS makes it (a test that lowers MAX_BLOCK_V below that gets this error)
+        raise ValueError(f"the grad_weight filter needs blocks of >= {FILTER_COLS} columns, got {ws.block_v}")
+    return dict(
+        flags_ptr=flags,
+        flag_row_stride=flags.stride(0),
+        filter_eps=float(eps),
+        FILTER=True,
+        FLAG_GROUPS=max(ws.block_v // FILTER_COLS, 1),
+        FLAG_COLS=FILTER_COLS,
+    )
+
+
+# --------------------------------------------------------------------------- grad_weight over the kept tiles
 
 
 class FilterScratch(NamedTuple):
