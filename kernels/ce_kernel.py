@@ -9,7 +9,8 @@ GPU enough programs; every (tile, segment) owns one partial slot of the row. Two
    rescaled when the max grows), the label-smoothing sums, the argmax and, in the segment holding
    the target, the target logit, and stores them in its slot.
 2. ``_ce_finish_kernel`` (per tile, same grid) merges all of the row's slots into ``lse``, writes
-   the row's loss (first tile, segment 0), and overwrites its segment with the gradient. All maths
+   the row's loss (first tile, segment 0), and overwrites its segment with the gradient (with a
+   grad_weight filter, also the row's skip flags: :mod:`flce_policy.kernels.weight_grad_filter`). All maths
    in fp32. Nothing in (2) reads a logit outside its own segment, since other programs overwrite
    theirs. Vocab-tiled geometry runs (1) over every tile, then (2) over every tile recomputed.
 

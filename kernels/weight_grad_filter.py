@@ -2,9 +2,10 @@
 
 A trained LM's softmax is nearly all zeros: most ``[FILTER_ROWS, FILTER_COLS]`` tiles of a chunk's
 dL/dlogits ``G`` hold only tiny values. The CE finish kernel (:mod:`flce_policy.kernels.ce_kernel`)
-writes one flag per row and ``FILTER_COLS`` columns: 1 when some column there has a per-token
-``|p_c - [c == y]| >= eps`` (``p = softmax(z)``, ``z`` after the softcap; unscaled: the reduction,
-``grad_output``, class weights, token scaling, z-loss and smoothing do not move it) or is the target.
+writes, through :func:`store_flags`, one flag per row and ``FILTER_COLS`` columns: 1 when some column
+there has a per-token ``|p_c - [c == y]| >= eps`` (``p = softmax(z)``, ``z`` after the softcap;
+unscaled: the reduction, ``grad_output``, class weights, token scaling, z-loss and smoothing do not
+move it) or is the target.
 
 Two launches per chunk (and vocab tile):
 
@@ -12,7 +13,8 @@ Two launches per chunk (and vocab tile):
    (``FILTER_ROWS`` rows each, from the chunk's first row) whose flags there are not all 0, and its length.
 2. ``_filtered_weight_grad_kernel``, one program per ``[FILTER_COLS, BLOCK_H]`` block of grad_weight:
    ``G[tile, cols].T @ x[tile, h]`` summed over the listed row tiles only, in fp32. The loop has no
-   branch (the GPU pipelines its loads); a skipped tile is neither loaded nor multiplied. A block whose
+   branch, so that the compiler can pipeline its loads (not yet measured on a GPU); a skipped tile is
+   neither loaded nor multiplied. A block whose
    list is empty is written as zeros on the first chunk and not touched on a later one (no
    read-modify-write). The programs of one column block run side by side (the hidden blocks vary
    fastest), so ``G``'s tiles are read from HBM about once and ``x``'s come from L2.
