@@ -33,12 +33,12 @@ FP32_TOL = 1e-5
 BF16_TOL = 2e-2
 
 
-def peaked_inputs(seed: int = 0, *, bias: bool = True, n_ignored: int = 5) -> dict[str, torch.Tensor]:
+def peaked_inputs(seed: int = 0, *, bias: bool = True, n_ignored: int = 5, hidden: int = H) -> dict[str, torch.Tensor]:
     """A "trained" head: class frequencies falling along the vocabulary (a bias from 3 to -9), targets drawn
     from the model's own softmax, so the rare classes' columns carry almost nothing."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(BT, H, generator=g)
-    w = torch.randn(V, H, generator=g) * (1.5 / H**0.5)
+    x = torch.randn(BT, hidden, generator=g)
+    w = torch.randn(V, hidden, generator=g) * (1.5 / hidden**0.5)
     b = torch.linspace(3.0, -9.0, V) + 0.1 * torch.randn(V, generator=g)
     p = (x.double() @ w.double().T + b.double()).softmax(-1)
     y = torch.multinomial(p.float(), 1, generator=g).squeeze(1)
@@ -58,8 +58,8 @@ def flat_inputs(seed: int = 1) -> dict[str, torch.Tensor]:
     return {k: t.to(DEVICE) for k, t in {"x": x, "w": w, "y": y}.items()}
 
 
-def geometry(dtype: torch.dtype, chunk: int = 64, vocab_chunk: int | None = None) -> Geometry:
-    problem = Problem(tokens=BT, hidden=H, vocab=V, dtype=str(dtype).removeprefix("torch."))
+def geometry(dtype: torch.dtype, chunk: int = 64, vocab_chunk: int | None = None, hidden: int = H) -> Geometry:
+    problem = Problem(tokens=BT, hidden=hidden, vocab=V, dtype=str(dtype).removeprefix("torch."))
     return Geometry.for_problem(problem, chunk, vocab_chunk=vocab_chunk)
 
 
