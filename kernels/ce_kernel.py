@@ -294,7 +294,7 @@ def _ce_finish_kernel(
                 offs = start + cols
                 tl.store(row_ptr + offs, tl.zeros([BLOCK_V], dtype=row_ptr.dtype.element_ty), mask=offs < col_stop)
                 if FILTER:  # an ignored row's gradient is 0: nothing of it reaches grad_weight
-                    keep = tl.zeros([BLOCK_V], dtype=tl.int1)
+                    keep = tl.zeros([BLOCK_V], dtype=tl.int32)
                     store_flags(
                         flags_ptr + row * flag_row_stride, keep, start, col_stop, BLOCK_V, FLAG_GROUPS, FLAG_COLS
                     )
