@@ -9,7 +9,8 @@ GPU enough programs; every (tile, segment) owns one partial slot of the row. Two
    rescaled when the max grows), the label-smoothing sums, the argmax and, in the segment holding
    the target, the target logit, and stores them in its slot.
 2. ``_ce_finish_kernel`` (per tile, same grid) merges all of the row's slots into ``lse``, writes
-   the row's loss (first tile, segment 0), and overwrites its segment with the gradient. All maths
+   the row's loss (first tile, segment 0), and overwrites its segment with the gradient (with a
+   grad_weight filter, also the row's skip flags: :mod:`flce_policy.kernels.weight_grad_filter`). All maths
    in fp32. Nothing in (2) reads a logit outside its own segment, since other programs overwrite
    theirs. Vocab-tiled geometry runs (1) over every tile, then (2) over every tile recomputed.
 
@@ -34,10 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from flce_policy.plan.weight_filter import FILTER_COLS
-
 from .interpreter import KERNELS_INTERPRETED  # re-exported: where the tests have always imported it from
 from .row_partials import CEWorkspace
+from .weight_grad_filter import finish_kernel_args, store_flags
 
 if TYPE_CHECKING:
     from .vocab_shard import VocabShard
@@ -294,8 +294,8 @@ def _ce_finish_kernel(
                 offs = start + cols
                 tl.store(row_ptr + offs, tl.zeros([BLOCK_V], dtype=row_ptr.dtype.element_ty), mask=offs < col_stop)
                 if FILTER:  # an ignored row's gradient is 0: nothing of it reaches grad_weight
-                    keep = tl.zeros([BLOCK_V], dtype=tl.int1)
-                    _store_flags(
+                    keep = tl.zeros([BLOCK_V], dtype=tl.int32)
+                    store_flags(
                         flags_ptr + row * flag_row_stride, keep, start, col_stop, BLOCK_V, FLAG_GROUPS, FLAG_COLS
                     )
     else:
@@ -371,7 +371,7 @@ def _ce_finish_kernel(
                     p = tl.exp(z - lse)
                     is_target = offs == local_target
                     keep = ((tl.abs(tl.where(is_target, p - 1.0, p)) >= filter_eps) | is_target) & mask
-                    _store_flags(
+                    store_flags(
                         flags_ptr + row * flag_row_stride, keep, start, col_stop, BLOCK_V, FLAG_GROUPS, FLAG_COLS
                     )
                 if HAS_SMOOTHING:
@@ -395,19 +395,6 @@ def _ce_finish_kernel(
                     else:
                         grad = grad * (1.0 - t * t)
                 tl.store(row_ptr + offs, grad.to(row_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _store_flags(
-    flag_row_ptr, keep, start, col_stop, BLOCK_V: tl.constexpr, GROUPS: tl.constexpr, FLAG_COLS: tl.constexpr
-):
-    """One uint8 per ``FLAG_COLS`` columns of the ``BLOCK_V`` block at ``start``: 1 where some column is kept.
-
-    ``GROUPS`` is ``BLOCK_V // FLAG_COLS`` (1 when the block is narrower: then the whole tile is).
-    """
-    flags = tl.max(tl.reshape(keep.to(tl.int32), (GROUPS, BLOCK_V // GROUPS)), axis=1)
-    index = start // FLAG_COLS + tl.arange(0, GROUPS)
-    tl.store(flag_row_ptr + index, flags.to(tl.uint8), mask=index * FLAG_COLS < col_stop)
 
 
 def _flags(
@@ -538,29 +525,10 @@ def ce_finish(
         TOKEN_SCALING=token_scaling,
         entropy_ptr=entropy_rows,
         ENTROPY=entropy_rows is not None,
-        **_filter_args(ws, filter_flags if write_grad else None, filter_eps),
+        **finish_kernel_args(ws, filter_flags if write_grad else None, filter_eps),
         # eager PyTorch's tanh backward rounds each op on CUDA, not on the CPU (the interpreter's tests)
         TANH_GRAD_PER_OP=logits.is_cuda,
         **_flags(ws, logits, class_weight, label_smoothing, softcap, round_softcap, argmax_rows is not None),
-    )
-
-
-def _filter_args(ws: CEWorkspace, flags: torch.Tensor | None, eps: float) -> dict:
-    """The finish kernel's filter arguments: none (the kernel as without a filter) when ``flags`` is None."""
-    if flags is None:
-        return {}
-    one_block = ws.segments_per_tile == 1 and ws.segment_len == ws.block_v
-    if ws.block_v < FILTER_COLS and not one_block:
-        # one block writes a flag whole (no atomics): a narrower block only when it is the whole tile, as
-        # MAX_BLOCK_V >= FILTER_COLS makes it (a test that lowers MAX_BLOCK_V below that gets this error)
-        raise ValueError(f"the grad_weight filter needs blocks of >= {FILTER_COLS} columns, got {ws.block_v}")
-    return dict(
-        flags_ptr=flags,
-        flag_row_stride=flags.stride(0),
-        filter_eps=float(eps),
-        FILTER=True,
-        FLAG_GROUPS=max(ws.block_v // FILTER_COLS, 1),
-        FLAG_COLS=FILTER_COLS,
     )
 
 

@@ -2,9 +2,10 @@
 
 A trained LM's softmax is nearly all zeros: most ``[FILTER_ROWS, FILTER_COLS]`` tiles of a chunk's
 dL/dlogits ``G`` hold only tiny values. The CE finish kernel (:mod:`flce_policy.kernels.ce_kernel`)
-writes one flag per row and ``FILTER_COLS`` columns: 1 when some column there has a per-token
-``|p_c - [c == y]| >= eps`` (``p = softmax(z)``, ``z`` after the softcap; unscaled: the reduction,
-``grad_output``, class weights, token scaling, z-loss and smoothing do not move it) or is the target.
+writes, through :func:`store_flags`, one flag per row and ``FILTER_COLS`` columns: 1 when some column
+there has a per-token ``|p_c - [c == y]| >= eps`` (``p = softmax(z)``, ``z`` after the softcap;
+unscaled: the reduction, ``grad_output``, class weights, token scaling, z-loss and smoothing do not
+move it) or is the target.
 
 Two launches per chunk (and vocab tile):
 
@@ -12,7 +13,8 @@ Two launches per chunk (and vocab tile):
    (``FILTER_ROWS`` rows each, from the chunk's first row) whose flags there are not all 0, and its length.
 2. ``_filtered_weight_grad_kernel``, one program per ``[FILTER_COLS, BLOCK_H]`` block of grad_weight:
    ``G[tile, cols].T @ x[tile, h]`` summed over the listed row tiles only, in fp32. The loop has no
-   branch (the GPU pipelines its loads); a skipped tile is neither loaded nor multiplied. A block whose
+   branch, so that the compiler can pipeline its loads (not yet measured on a GPU); a skipped tile is
+   neither loaded nor multiplied. A block whose
    list is empty is written as zeros on the first chunk and not touched on a later one (no
    read-modify-write). The programs of one column block run side by side (the hidden blocks vary
    fastest), so ``G``'s tiles are read from HBM about once and ``x``'s come from L2.
@@ -22,6 +24,8 @@ grad_input is not filtered: the driver keeps it dense.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -34,11 +38,60 @@ from .interpreter import KERNELS_INTERPRETED
 
 if TYPE_CHECKING:
     from .driver_call import DriverCall
+    from .row_partials import CEWorkspace
 
-__all__ = ["FilterScratch", "filter_scratch", "filter_scratch_for", "filtered_weight_grad"]
+__all__ = [
+    "FilterScratch",
+    "TileCount",
+    "filter_scratch",
+    "filter_scratch_for",
+    "filtered_weight_grad",
+    "finish_kernel_args",
+    "observe_tiles",
+    "store_flags",
+]
 
 #: grad_weight columns (hidden units) per program.
 _BLOCK_H = 128
+
+
+# --------------------------------------------------------------------------- the flags (in the CE finish kernel)
+
+
+@triton.jit
+def store_flags(
+    flag_row_ptr, keep, start, col_stop, BLOCK_V: tl.constexpr, GROUPS: tl.constexpr, FLAG_COLS: tl.constexpr
+):
+    """One uint8 per ``FLAG_COLS`` columns of the ``BLOCK_V`` block at ``start``: 1 where some column is kept.
+
+    Called by the CE finish kernel per block of a row. ``GROUPS`` is ``BLOCK_V // FLAG_COLS`` (1 when the
+    block is narrower: then it is the whole tile).
+    """
+    flags = tl.max(tl.reshape(keep.to(tl.int32), (GROUPS, BLOCK_V // GROUPS)), axis=1)
+    index = start // FLAG_COLS + tl.arange(0, GROUPS)
+    tl.store(flag_row_ptr + index, flags.to(tl.uint8), mask=index * FLAG_COLS < col_stop)
+
+
+def finish_kernel_args(ws: CEWorkspace, flags: torch.Tensor | None, eps: float) -> dict:
+    """The CE finish kernel's filter arguments: none (the kernel as without a filter) when ``flags`` is None."""
+    if flags is None:
+        return {}
+    one_block = ws.segments_per_tile == 1 and ws.segment_len == ws.block_v
+    if ws.block_v < FILTER_COLS and not one_block:
+        # one block writes a flag whole (no atomics): a narrower block only when it is the whole tile, as
+        # MAX_BLOCK_V >= FILTER_COLS makes it (a test that lowers MAX_BLOCK_V below that gets this error)
+        raise ValueError(f"the grad_weight filter needs blocks of >= {FILTER_COLS} columns, got {ws.block_v}")
+    return dict(
+        flags_ptr=flags,
+        flag_row_stride=flags.stride(0),
+        filter_eps=float(eps),
+        FILTER=True,
+        FLAG_GROUPS=max(ws.block_v // FILTER_COLS, 1),
+        FLAG_COLS=FILTER_COLS,
+    )
+
+
+# --------------------------------------------------------------------------- grad_weight over the kept tiles
 
 
 class FilterScratch(NamedTuple):
@@ -47,6 +100,28 @@ class FilterScratch(NamedTuple):
     flags: torch.Tensor  # [rows, cdiv(tile_cols, FILTER_COLS)] uint8, written by the CE finish kernel
     tiles: torch.Tensor  # [cdiv(tile_cols, FILTER_COLS), cdiv(rows, FILTER_ROWS)] int32: kept row tiles, listed
     counts: torch.Tensor  # [cdiv(tile_cols, FILTER_COLS)] int32: how many are listed
+
+
+class TileCount(NamedTuple):
+    """One filtered launch's tiles: ``kept`` (a 0-dim int tensor on the device: no host sync) of ``total``."""
+
+    kept: torch.Tensor
+    total: int
+
+
+_observers: list[list[TileCount]] = []
+
+
+@contextmanager
+def observe_tiles() -> Iterator[list[TileCount]]:
+    """Record the kept and total tiles of every filtered grad_weight launch inside the block (tests, benchmarks):
+    the skipped share is ``1 - sum(kept) / sum(total)``. Costs one small reduction per launch while observed."""
+    counts: list[TileCount] = []
+    _observers.append(counts)
+    try:
+        yield counts
+    finally:
+        _observers.remove(counts)
 
 
 def filter_scratch(rows: int, tile_cols: int, device: torch.device) -> FilterScratch:
@@ -168,6 +243,10 @@ def filtered_weight_grad(
     _kept_tiles_kernel[(col_blocks,)](
         flags, flags.stride(0), tiles, tiles.stride(0), counts, n_rows, BLOCK_K=FILTER_ROWS, num_warps=1
     )
+    if _observers:
+        count = TileCount(counts[:col_blocks].sum(), col_blocks * triton.cdiv(n_rows, FILTER_ROWS))
+        for observer in _observers:
+            observer.append(count)
     hidden = x_chunk.shape[1] if grad_weight is not None else 1
     block_h = min(_BLOCK_H, max(16, triton.next_power_of_2(hidden)))
     _filtered_weight_grad_kernel[(triton.cdiv(hidden, block_h), col_blocks)](

@@ -16,6 +16,7 @@ from gpu_reference import rel_l2
 from test_weight_grad_filter import _tile_mask
 
 from flce_policy import fused_linear_cross_entropy
+from flce_policy.kernels.weight_grad_filter import observe_tiles
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.problem import Problem
 
@@ -70,11 +71,13 @@ def _reference(x, w, y, eps):
 def test_filter_on_cuda(peaked, eps):
     x, w, y = _inputs(peaked)
     dense_loss, dense_gx, dense_gw = _call(x, w, y, None)
-    loss, gx, gw = _call(x, w, y, eps)
+    with observe_tiles() as tiles:
+        loss, gx, gw = _call(x, w, y, eps)
+    skipped = 1 - sum(int(c.kept) for c in tiles) / sum(c.total for c in tiles)
     assert torch.equal(loss, dense_loss) and torch.equal(gx, dense_gx)  # bit for bit
     dense_ref, filtered_ref, kept = _reference(x, w, y, eps)
     print(json.dumps({
-        "test": "grad_weight_filter", "peaked": peaked, "eps": eps, "kept_tiles": kept,
+        "test": "grad_weight_filter", "peaked": peaked, "eps": eps, "kept_share": kept, "skipped_tiles": skipped,
         "gw_err_filtered_vs_masked_ref": rel_l2(gw, filtered_ref),
         "gw_err_filtered_vs_dense_ref": rel_l2(gw, dense_ref),
         "gw_err_dense_vs_dense_ref": rel_l2(dense_gw, dense_ref),

@@ -247,6 +247,7 @@ def test_an_unknown_family_is_matched_by_its_exact_name(tmp_path):
         (["--max-slab", "1GiB"], "the following arguments are required: --out"),
         (["--max-slab", "1GiB", "--out", "{tmp}"], "is a folder"),
         (["--max-slab", "1GiB", "--shapes", "8x8", "--out", "{tmp}/p.yaml"], "three positive integers"),
+        (["--max-slab", "1GiB", "--grad-weight-filter", "-1", "--out", "{tmp}/p.yaml"], "--grad-weight-filter must"),
     ],
 )
 def test_user_errors_exit_2_on_one_line(tmp_path, capsys, argv, fragment):
@@ -500,3 +501,11 @@ def test_bench_user_errors_are_one_line(tmp_path, capsys, monkeypatch):
     assert main(["bench", "--methods", "ligr_c1"]) == 2
     _, err = capsys.readouterr()
     assert err.startswith("error: --methods ligr_c1 matches no method") and len(err.splitlines()) == 1
+
+
+def test_a_grad_weight_filter_is_written_into_the_tuned_rule(tmp_path):
+    path, text = written(tmp_path, gemma_rows(), tune.Limits(max_peak=5 * GIB), grad_weight_filter=2.0**-12)
+    policy = FLCEPolicy.from_yaml(path)
+    assert policy.rules[0].grad_weight_filter == 2.0**-12
+    assert policy.resolve(Problem(*GEMMA), H200).grad_weight_filter == 2.0**-12
+    assert "tune does not measure the filter" in text

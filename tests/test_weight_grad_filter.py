@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from test_loss_kernel import DEVICE, rel_err
 
 from flce_policy import fused_linear_cross_entropy
+from flce_policy.kernels.weight_grad_filter import observe_tiles
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.problem import Problem
 from flce_policy.plan.weight_filter import FILTER_COLS, FILTER_ROWS
@@ -32,12 +33,12 @@ FP32_TOL = 1e-5
 BF16_TOL = 2e-2
 
 
-def peaked_inputs(seed: int = 0, *, bias: bool = True, n_ignored: int = 5) -> dict[str, torch.Tensor]:
+def peaked_inputs(seed: int = 0, *, bias: bool = True, n_ignored: int = 5, hidden: int = H) -> dict[str, torch.Tensor]:
     """A "trained" head: class frequencies falling along the vocabulary (a bias from 3 to -9), targets drawn
     from the model's own softmax, so the rare classes' columns carry almost nothing."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(BT, H, generator=g)
-    w = torch.randn(V, H, generator=g) * (1.5 / H**0.5)
+    x = torch.randn(BT, hidden, generator=g)
+    w = torch.randn(V, hidden, generator=g) * (1.5 / hidden**0.5)
     b = torch.linspace(3.0, -9.0, V) + 0.1 * torch.randn(V, generator=g)
     p = (x.double() @ w.double().T + b.double()).softmax(-1)
     y = torch.multinomial(p.float(), 1, generator=g).squeeze(1)
@@ -57,8 +58,8 @@ def flat_inputs(seed: int = 1) -> dict[str, torch.Tensor]:
     return {k: t.to(DEVICE) for k, t in {"x": x, "w": w, "y": y}.items()}
 
 
-def geometry(dtype: torch.dtype, chunk: int = 64, vocab_chunk: int | None = None) -> Geometry:
-    problem = Problem(tokens=BT, hidden=H, vocab=V, dtype=str(dtype).removeprefix("torch."))
+def geometry(dtype: torch.dtype, chunk: int = 64, vocab_chunk: int | None = None, hidden: int = H) -> Geometry:
+    problem = Problem(tokens=BT, hidden=hidden, vocab=V, dtype=str(dtype).removeprefix("torch."))
     return Geometry.for_problem(problem, chunk, vocab_chunk=vocab_chunk)
 
 
@@ -121,13 +122,14 @@ def reference(
     (grad,) = torch.autograd.grad(loss, logits)
     deviation = (p - onehot).abs()
 
-    def tiles_kept(threshold: float) -> torch.Tensor:
-        keep = ((deviation >= threshold) | (onehot > 0)) & valid[:, None]
-        return _tile_mask(keep, chunk, vocab_chunk or V)
+    def keep_at(threshold: float) -> torch.Tensor:
+        return ((deviation >= threshold) | (onehot > 0)) & valid[:, None]
 
-    mask = tiles_kept(eps)
+    mask = _tile_mask(keep_at(eps), chunk, vocab_chunk or V)
     for nearby in (eps * (1 - 1e-3), eps * (1 + 1e-3)):  # the kernel's fp32 p could fall either side of eps
-        assert torch.equal(tiles_kept(nearby), mask), "a tile's decision hangs on an entry within 0.1% of eps"
+        assert torch.equal(_tile_mask(keep_at(nearby), chunk, vocab_chunk or V), mask), (
+            "a tile's decision hangs on an entry within 0.1% of eps"
+        )
     xd = x.double()
     return {
         "dense_w": grad.T @ xd,
@@ -135,13 +137,20 @@ def reference(
         "dense_b": grad.sum(0),
         "filtered_b": (grad * mask).sum(0),
         "kept_share": mask.double().mean(),
+        "kept_tiles": int(_tiles_kept(keep_at(eps), chunk, vocab_chunk or V)[0].sum()),
     }
 
 
 def _tile_mask(keep: torch.Tensor, chunk: int, vocab_chunk: int) -> torch.Tensor:
     """``keep`` spread over its tiles: FILTER_ROWS rows counted from each chunk's start x FILTER_COLS classes
     counted from each vocab tile's start."""
-    device, keep = keep.device, keep.cpu()
+    tiles, row_tile, col_tile = _tiles_kept(keep, chunk, vocab_chunk)
+    return tiles[row_tile][:, col_tile].to(keep.device)
+
+
+def _tiles_kept(keep: torch.Tensor, chunk: int, vocab_chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per tile whether it is kept ``[row tiles, column tiles]``, and each row's and column's tile."""
+    keep = keep.cpu()
     r, c = torch.arange(keep.shape[0]), torch.arange(keep.shape[1])
     _, row_tile = torch.unique(torch.stack([r // chunk, r % chunk // FILTER_ROWS]), dim=1, return_inverse=True)
     _, col_tile = torch.unique(
@@ -151,7 +160,7 @@ def _tile_mask(keep: torch.Tensor, chunk: int, vocab_chunk: int) -> torch.Tensor
     counts.index_put_(
         (row_tile[:, None].expand_as(keep), col_tile[None, :].expand_as(keep)), keep.double(), accumulate=True
     )
-    return (counts > 0)[row_tile][:, col_tile].to(device)
+    return counts > 0, row_tile, col_tile
 
 
 def assert_same(filtered, dense) -> None:
@@ -167,9 +176,12 @@ def test_peaked_fp32_skips_tiles_and_matches_the_masked_reference():
     t = leaves(peaked_inputs(), torch.float32)
     policy = geometry(torch.float32)
     dense = run(t, policy=policy)
-    filtered = run(t, policy=policy, grad_weight_filter=EPS)
+    with observe_tiles() as tiles:
+        filtered = run(t, policy=policy, grad_weight_filter=EPS)
     ref = reference(t, torch.float32, eps=EPS, chunk=64)
     assert 0.2 < ref["kept_share"] < 0.9  # something to skip, something kept
+    # the kernel's own count of kept tiles (2 row chunks x 4 column blocks of 128)
+    assert sum(int(c.kept) for c in tiles) == ref["kept_tiles"] and sum(c.total for c in tiles) == 8
     assert_same(filtered, dense)
     assert rel_err(filtered[2]["w"], ref["filtered_w"]) < FP32_TOL
     assert rel_err(filtered[2]["b"], ref["filtered_b"]) < FP32_TOL

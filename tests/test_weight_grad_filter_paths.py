@@ -22,6 +22,8 @@ from test_weight_grad_filter import (
 
 from flce_policy import fused_linear_cross_entropy
 from flce_policy.kernels.driver import inject_oom
+from flce_policy.kernels.weight_grad_filter import observe_tiles
+from flce_policy.plan.accumulator import accumulator_layout
 from flce_policy.plan.oom import OOMFallbackWarning
 
 pytestmark = pytest.mark.skipif(
@@ -30,7 +32,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("chunk", [64, BT])  # BT: one row chunk, where the last vocab tiles are computed late
+@pytest.mark.parametrize("chunk", [64, BT])  # two row chunks, and one
 def test_vocab_tiled_geometry(chunk):
     t = leaves(peaked_inputs(seed=6), torch.float32)
     policy = geometry(torch.float32, chunk=chunk, vocab_chunk=256)
@@ -91,3 +93,19 @@ def test_autocast_over_fp32_master_weights():
     assert_same(filtered, dense)
     assert filtered[2]["w"].dtype == torch.float32
     assert rel_err(filtered[2]["w"], ref["filtered_w"]) < BF16_TOL
+
+
+def test_late_vocab_tiles_of_one_bf16_chunk():
+    """One bf16 row chunk, H even: grad_input's fp32 accumulator borrows grad_weight's last rows, whose vocab
+    tiles (the late ones) write grad_weight after it is narrowed, one of them computed a third time."""
+    t = leaves(peaked_inputs(seed=12, hidden=64), torch.bfloat16)
+    policy = geometry(torch.bfloat16, chunk=BT, vocab_chunk=96, hidden=64)
+    assert accumulator_layout(policy).late_tiles == 2
+    with observe_tiles() as tiles:
+        filtered = run(t, policy=policy, grad_weight_filter=EPS)
+    ref = reference(t, torch.bfloat16, eps=EPS, chunk=BT, vocab_chunk=96)
+    assert ref["kept_share"] < 0.9
+    # every tile counted once (2 row tiles x 6 vocab tiles), the late ones at their late launch
+    assert sum(int(c.kept) for c in tiles) == ref["kept_tiles"] and sum(c.total for c in tiles) == 12
+    assert rel_err(filtered[2]["w"], ref["filtered_w"]) < BF16_TOL
+    assert rel_err(filtered[2]["b"], ref["filtered_b"]) < BF16_TOL

@@ -3,6 +3,7 @@ keyword wins, explain and the cost model show it, the compiled op carries it."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -119,3 +120,12 @@ def test_compiled_op_carries_the_filter():
     loss_fn(t["x"], t["w"], t["y"], t["b"]).backward()
     assert torch.equal(t["x"].grad, eager[2]["x"])
     assert torch.equal(t["w"].grad, eager[2]["w"]) and torch.equal(t["b"].grad, eager[2]["b"])
+
+
+def test_validate_shows_the_rule_filter(tmp_path, capsys):
+    path = tmp_path / "policy.yaml"
+    path.write_text(_yaml(None).replace("match: cpu", "match: H200") + "    grad_weight_filter: 0.000244140625\n")
+    code, out, _ = run_cli(capsys, "validate", str(path), "--json")
+    assert code == 0
+    filters = {d["device"]["family"]: d["grad_weight_filter"] for d in json.loads(out)["decisions"]}
+    assert filters["H200"] == 2.0**-12 and filters["H100"] is None

@@ -327,7 +327,7 @@ def _print_at_call_time(policy: FLCEPolicy, problem: Problem, device: DeviceInfo
         ("Rule", row["rule"]),
         ("Strategy", _row_strategy(row)),
         ("Chunk size", f"{row['at_call_time']}; run explain on that GPU to see the size it picks now"),
-        ("W filter", f"grad_weight_filter={policy.grad_weight_filter_for(device)}"),
+        ("W filter", f"grad_weight_filter={row['grad_weight_filter']}"),
     ]
     _console().print("\n".join(f"{label + ':':<13}{value}" for label, value in lines))
 
@@ -449,6 +449,7 @@ def _at_call_time(policy: FLCEPolicy, device: DeviceInfo) -> dict[str, Any]:
         "rule": rule,
         "strategy": strategy.config_name(),
         "params": strategy.get_params(),
+        "grad_weight_filter": policy.grad_weight_filter_for(device),
         "at_call_time": "sized at every call from the memory free on the GPU",
     }
 
@@ -493,7 +494,9 @@ def _print_table(
 
 
 def _row_strategy(row: dict[str, Any]) -> str:
-    return f"{row['strategy']} {_params_text(row.get('params', {}))}".strip()
+    text = f"{row['strategy']} {_params_text(row.get('params', {}))}".strip()
+    eps = row.get("grad_weight_filter")
+    return text if eps is None else f"{text}, grad_weight_filter={eps:g}"
 
 
 def _pick_cells(row: dict[str, Any]) -> list[str]:

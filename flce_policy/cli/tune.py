@@ -49,6 +49,7 @@ from flce_policy.plan.device import DeviceInfo
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.problem import Problem
 from flce_policy.plan.units import exact_size, format_bytes, parse_bytes
+from flce_policy.plan.weight_filter import checked_filter_eps
 from flce_policy.strategies import ChunkStrategy, Fastest, SlabBudget, StrategyError
 
 __all__ = [
@@ -231,13 +232,22 @@ def calibrate(records: Iterable[Record], device: DeviceInfo, *, dtype: str = "bf
 
 
 def tuned_policy(
-    choice: Choice, device: DeviceInfo, strategy: ChunkStrategy | None = None, *, packaged_rules: bool = True
+    choice: Choice,
+    device: DeviceInfo,
+    strategy: ChunkStrategy | None = None,
+    *,
+    packaged_rules: bool = True,
+    grad_weight_filter: float | None = None,
 ) -> FLCEPolicy:
-    """One rule for ``device`` (``strategy``, or by default a slab_budget at the chosen slab), then
-    with ``packaged_rules`` the packaged rules it leaves reachable, and the packaged default
-    strategy and OOM settings."""
+    """One rule for ``device`` (``strategy``, or by default a slab_budget at the chosen slab; with
+    ``grad_weight_filter``, that eps as the rule's filter), then with ``packaged_rules`` the packaged
+    rules it leaves reachable, and the packaged default strategy and OOM settings."""
     packaged = FLCEPolicy.packaged()
-    rule = DeviceRule(rule_match(device), strategy or SlabBudget(exact_size(choice.max_slab)))
+    rule = DeviceRule(
+        rule_match(device),
+        strategy or SlabBudget(exact_size(choice.max_slab)),
+        grad_weight_filter=grad_weight_filter,
+    )
     others = [r for r in packaged.rules if not _superseded(r, rule.match)] if packaged_rules else []
     return FLCEPolicy(
         default=packaged.default_strategy,
@@ -282,6 +292,7 @@ def render(
     dtype: str = "bfloat16",
     strategy: ChunkStrategy | None = None,
     packaged_rules: bool = True,
+    grad_weight_filter: float | None = None,
 ) -> str:
     """The policy file: ``about`` and the measurements as comments, then :func:`tuned_policy` as YAML."""
     floors = {r.shape: r.median_ms for r in records if r.family == "floor" and r.median_ms}
@@ -311,9 +322,15 @@ def render(
         )
     if strategy is not None:
         lines.append(f"written: {strategy!r} (the measured choice above is for comparison)")
+    if grad_weight_filter is not None:
+        lines.append(
+            f"grad_weight_filter: {grad_weight_filter!r} written into the rule as given; the times above are the "
+            "dense path's (tune does not measure the filter: its gain depends on the model's logits)"
+        )
     lines += ["", *_rules_note(device, packaged_rules)]
     comments = "".join(f"# {line}".rstrip() + "\n" for line in lines)
-    return comments + tuned_policy(choice, device, strategy, packaged_rules=packaged_rules).to_yaml()
+    rules = tuned_policy(choice, device, strategy, packaged_rules=packaged_rules, grad_weight_filter=grad_weight_filter)
+    return comments + rules.to_yaml()
 
 
 def _row_line(r: Record, choice: Choice, limits: Limits, dtype: str) -> str:
@@ -381,6 +398,13 @@ def build_parser(prog: str) -> Parser:
         help="the rule to write: slab_budget at the measured best slab (default), or fastest with the "
         "cost model calibrated on these measurements",
     )
+    parser.add_argument(
+        "--grad-weight-filter",
+        type=_filter_eps,
+        metavar="EPS",
+        help="also write this grad_weight_filter eps into the tuned rule (e.g. 2.44140625e-4 = 2**-12); "
+        "not measured: the times are the dense path's",
+    )
     parser.add_argument("--out", required=True, metavar="FILE.yaml", help="the policy file to write")
     parser.add_argument(
         "--no-packaged-rules",
@@ -395,6 +419,13 @@ def build_parser(prog: str) -> Parser:
         help="print what was written and measured as JSON on stdout (the messages stay on stderr)",
     )
     return parser
+
+
+def _filter_eps(text: str) -> float | None:
+    try:
+        return checked_filter_eps(text, "--grad-weight-filter", text=True)
+    except (TypeError, ValueError) as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _size(text: str) -> int:
@@ -445,8 +476,9 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"cannot calibrate the cost model for --strategy fastest: {err}") from None
         about.append(f"cost model not calibrated: {err}")
     text = render(
-        choice, records, limits, device=device, about=about, strategy=strategy, packaged_rules=args.packaged_rules
-    )
+        choice, records, limits, device=device, about=about, strategy=strategy, packaged_rules=args.packaged_rules,
+        grad_weight_filter=args.grad_weight_filter,
+    )  # fmt: skip
     policy = FLCEPolicy.from_yaml_text(text, source=str(out))  # what is written must load; a failure is a bug
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text, encoding="utf-8")
