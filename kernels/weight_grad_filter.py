@@ -7,17 +7,20 @@ there has a per-token ``|p_c - [c == y]| >= eps`` (``p = softmax(z)``, ``z`` aft
 unscaled: the reduction, ``grad_output``, class weights, token scaling, z-loss and smoothing do not
 move it) or is the target.
 
-Two launches per chunk (and vocab tile):
+Three launches per chunk (and vocab tile):
 
-1. ``_kept_tiles_kernel``, one program per ``FILTER_COLS`` columns: the list of the chunk's row tiles
-   (``FILTER_ROWS`` rows each, from the chunk's first row) whose flags there are not all 0, and its length.
-2. ``_filtered_weight_grad_kernel``, one program per ``[FILTER_COLS, BLOCK_H]`` block of grad_weight:
-   ``G[tile, cols].T @ x[tile, h]`` summed over the listed row tiles only, in fp32. The loop has no
-   branch, so that the compiler can pipeline its loads (not yet measured on a GPU); a skipped tile is
-   neither loaded nor multiplied. A block whose
-   list is empty is written as zeros on the first chunk and not touched on a later one (no
-   read-modify-write). The programs of one column block run side by side (the hidden blocks vary
-   fastest), so ``G``'s tiles are read from HBM about once and ``x``'s come from L2.
+1. ``_kept_tiles_kernel``, one program per ``FILTER_COLS`` columns: which of the chunk's row tiles
+   (``FILTER_ROWS`` rows each, from the chunk's first row) have flags there that are not all 0, as a
+   byte per tile and as a list with its length.
+2. ``_filtered_weight_grad_kernel``, one program per ``[FILTER_COLS, BLOCK_H]`` block of grad_weight,
+   ``G[tile, cols].T @ x[tile, h]`` in fp32 over the kept row tiles only, launched twice: once for the
+   column blocks with at most half their row tiles kept (a loop over the list: a skipped tile is neither
+   loaded nor multiplied), once for the others (a loop over every row tile whose pointers step by a
+   constant, so the GPU pipelines its loads; a skipped tile's loads are masked off and its zeros
+   multiplied). A listed loop is slower per tile (its row index is loaded in the loop), so it pays only
+   where most tiles are skipped. A block with no kept tile is written as zeros on the first chunk and
+   not touched on a later one (no read-modify-write). The programs of one column block run side by side
+   (the hidden blocks vary fastest), so ``G``'s tiles are read from HBM about once and ``x``'s from L2.
 
 grad_input is not filtered: the driver keeps it dense.
 """
@@ -51,8 +54,9 @@ __all__ = [
     "store_flags",
 ]
 
-#: grad_weight columns (hidden units) per program.
-_BLOCK_H = 128
+#: (grad_weight columns per program, warps, stages) of the two launches, dense loop (True) and listed
+#: loop (False): the fastest of a sweep at 4096x1024x131072 on the H200 (results/notes/2026-12-01-h200-filter-probe*).
+_LAUNCHES = {True: (256, 8, 3), False: (128, 8, 3)}
 
 
 # --------------------------------------------------------------------------- the flags (in the CE finish kernel)
@@ -100,6 +104,7 @@ class FilterScratch(NamedTuple):
     flags: torch.Tensor  # [rows, cdiv(tile_cols, FILTER_COLS)] uint8, written by the CE finish kernel
     tiles: torch.Tensor  # [cdiv(tile_cols, FILTER_COLS), cdiv(rows, FILTER_ROWS)] int32: kept row tiles, listed
     counts: torch.Tensor  # [cdiv(tile_cols, FILTER_COLS)] int32: how many are listed
+    kept: torch.Tensor  # [cdiv(tile_cols, FILTER_COLS), cdiv(rows, FILTER_ROWS)] uint8: 1 where a row tile is kept
 
 
 class TileCount(NamedTuple):
@@ -131,6 +136,7 @@ def filter_scratch(rows: int, tile_cols: int, device: torch.device) -> FilterScr
         torch.empty((rows, col_blocks), dtype=torch.uint8, device=device),
         torch.empty((col_blocks, row_tiles), dtype=torch.int32, device=device),
         torch.empty(col_blocks, dtype=torch.int32, device=device),
+        torch.empty((col_blocks, row_tiles), dtype=torch.uint8, device=device),
     )
 
 
@@ -142,13 +148,17 @@ def filter_scratch_for(call: DriverCall, rows: int, tile_cols: int) -> FilterScr
 
 
 @triton.jit
-def _kept_tiles_kernel(flags_ptr, flag_stride, tiles_ptr, tile_stride, counts_ptr, n_rows, BLOCK_K: tl.constexpr):
+def _kept_tiles_kernel(
+    flags_ptr, flag_stride, tiles_ptr, tile_stride, counts_ptr, kept_ptr, n_rows, BLOCK_K: tl.constexpr
+):
     col_block = tl.program_id(0)
     count = 0
     for row_start in range(0, n_rows, BLOCK_K):
         rows = row_start + tl.arange(0, BLOCK_K)
         flags = tl.load(flags_ptr + rows.to(tl.int64) * flag_stride + col_block, mask=rows < n_rows, other=0)
-        if tl.max(flags.to(tl.int32), axis=0) > 0:
+        is_kept = tl.max(flags.to(tl.int32), axis=0) > 0
+        tl.store(kept_ptr + col_block * tile_stride + row_start // BLOCK_K, is_kept.to(tl.uint8))
+        if is_kept:
             tl.store(tiles_ptr + col_block * tile_stride + count, row_start // BLOCK_K)
             count += 1
     tl.store(counts_ptr + col_block, count)
@@ -163,12 +173,14 @@ def _filtered_weight_grad_kernel(
     tiles_ptr,
     tile_stride,
     counts_ptr,
+    kept_ptr,
     out_ptr,
     out_stride,
     bias_ptr,
     n_rows,
     n_cols,
     hidden,
+    DENSE: tl.constexpr,
     FIRST: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -179,46 +191,75 @@ def _filtered_weight_grad_kernel(
 ):
     pid_h = tl.program_id(0)  # fastest: the programs of one column block share its G tiles in L2
     pid_v = tl.program_id(1)
-    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)  # classes: columns of G, rows of grad_weight
-    hs = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    col_mask = cols < n_cols
-    h_mask = hs < hidden
-    k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_V, BLOCK_H], dtype=tl.float32)
-    bias_acc = tl.zeros([BLOCK_V], dtype=tl.float32)
     kept = tl.load(counts_ptr + pid_v)
-    for i in range(0, kept):
-        rows = tl.load(tiles_ptr + pid_v * tile_stride + i).to(tl.int64) * BLOCK_K + k
-        row_mask = rows < n_rows
-        g = tl.load(
-            grad_ptr + rows[:, None] * grad_stride + cols[None, :],
-            mask=row_mask[:, None] & col_mask[None, :],
-            other=0.0,
-        )
+    n_row_tiles = tl.cdiv(n_rows, BLOCK_K)
+    # Each column block runs in one of the two launches: the listed loop where at most half its row tiles
+    # are kept, the dense loop (all row tiles, the skipped ones' loads masked to zero) where more are.
+    if (kept * 2 > n_row_tiles) == DENSE:
+        cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)  # classes: columns of G, rows of grad_weight
+        hs = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+        col_mask = cols < n_cols
+        h_mask = hs < hidden
+        k = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_V, BLOCK_H], dtype=tl.float32)
+        bias_acc = tl.zeros([BLOCK_V], dtype=tl.float32)
+        if DENSE:
+            # pointers stepped by a constant: the GPU pipelines these loads (a listed row index, loaded in
+            # the loop, keeps it from doing so: 1.7-1.8x cuBLAS per tile against 1.04-1.16x here, H200)
+            g_ptrs = grad_ptr + k[None, :].to(tl.int64) * grad_stride + cols[:, None]  # G^T: [BLOCK_V, BLOCK_K]
+            x_ptrs = x_ptr + k[:, None].to(tl.int64) * x_stride + hs[None, :]
+            for r in range(0, n_row_tiles):
+                # a skipped tile's rows are all masked: nothing loaded, its zeros add nothing
+                k_limit = tl.where(tl.load(kept_ptr + pid_v * tile_stride + r) != 0, n_rows - r * BLOCK_K, 0)
+                k_mask = k < k_limit
+                gt = tl.load(g_ptrs, mask=k_mask[None, :] & col_mask[:, None], other=0.0)
+                if HAS_WEIGHT:
+                    x = tl.load(x_ptrs, mask=k_mask[:, None] & h_mask[None, :], other=0.0)
+                    acc = _accumulate(gt, x, acc, IEEE)
+                if HAS_BIAS:
+                    bias_acc += tl.sum(gt.to(tl.float32), axis=1)
+                g_ptrs += BLOCK_K * grad_stride
+                x_ptrs += BLOCK_K * x_stride
+        else:
+            for i in range(0, kept):
+                rows = tl.load(tiles_ptr + pid_v * tile_stride + i).to(tl.int64) * BLOCK_K + k
+                row_mask = rows < n_rows
+                gt = tl.load(
+                    grad_ptr + rows[None, :] * grad_stride + cols[:, None],
+                    mask=row_mask[None, :] & col_mask[:, None],
+                    other=0.0,
+                )
+                if HAS_WEIGHT:
+                    x = tl.load(
+                        x_ptr + rows[:, None] * x_stride + hs[None, :],
+                        mask=row_mask[:, None] & h_mask[None, :],
+                        other=0.0,
+                    )
+                    acc = _accumulate(gt, x, acc, IEEE)
+                if HAS_BIAS:
+                    bias_acc += tl.sum(gt.to(tl.float32), axis=1)
         if HAS_WEIGHT:
-            x = tl.load(
-                x_ptr + rows[:, None] * x_stride + hs[None, :], mask=row_mask[:, None] & h_mask[None, :], other=0.0
-            )
-            if IEEE:
-                # fp32 products, as cuBLAS gives torch's fp32 matmul (no TF32); also bf16/fp16 operands under
-                # the interpreter, whose low-precision tl.dot is wrong (exact there: the products fit fp32)
-                acc = tl.dot(tl.trans(g.to(tl.float32)), x.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(tl.trans(g), x, acc)
+            out = out_ptr + cols.to(tl.int64)[:, None] * out_stride + hs[None, :]
+            out_mask = col_mask[:, None] & h_mask[None, :]
+            if FIRST:
+                tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+            elif kept > 0:
+                total = tl.load(out, mask=out_mask, other=0.0).to(tl.float32) + acc
+                tl.store(out, total.to(out_ptr.dtype.element_ty), mask=out_mask)
         if HAS_BIAS:
-            bias_acc += tl.sum(g.to(tl.float32), axis=0)
-    if HAS_WEIGHT:
-        out = out_ptr + cols.to(tl.int64)[:, None] * out_stride + hs[None, :]
-        out_mask = col_mask[:, None] & h_mask[None, :]
-        if FIRST:
-            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-        elif kept > 0:
-            total = tl.load(out, mask=out_mask, other=0.0).to(tl.float32) + acc
-            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=out_mask)
-    if HAS_BIAS:
-        if (pid_h == 0) & (kept > 0):
-            total_b = tl.load(bias_ptr + cols, mask=col_mask, other=0.0) + bias_acc
-            tl.store(bias_ptr + cols, total_b, mask=col_mask)
+            if (pid_h == 0) & (kept > 0):
+                total_b = tl.load(bias_ptr + cols, mask=col_mask, other=0.0) + bias_acc
+                tl.store(bias_ptr + cols, total_b, mask=col_mask)
+
+
+@triton.jit
+def _accumulate(gt, x, acc, IEEE: tl.constexpr):
+    """``acc + gt @ x`` (``gt`` a [BLOCK_V, BLOCK_K] tile of G^T)."""
+    if IEEE:
+        # fp32 products, as cuBLAS gives torch's fp32 matmul (no TF32); also bf16/fp16 operands under
+        # the interpreter, whose low-precision tl.dot is wrong (exact there: the products fit fp32)
+        return tl.dot(gt.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(gt, x, acc)
 
 
 def filtered_weight_grad(
@@ -239,37 +280,40 @@ def filtered_weight_grad(
     """
     n_rows, n_cols = grad.shape
     col_blocks = triton.cdiv(n_cols, FILTER_COLS)
-    flags, tiles, counts = scratch
+    flags, tiles, counts, kept = scratch
     _kept_tiles_kernel[(col_blocks,)](
-        flags, flags.stride(0), tiles, tiles.stride(0), counts, n_rows, BLOCK_K=FILTER_ROWS, num_warps=1
+        flags, flags.stride(0), tiles, tiles.stride(0), counts, kept, n_rows, BLOCK_K=FILTER_ROWS, num_warps=1
     )
     if _observers:
         count = TileCount(counts[:col_blocks].sum(), col_blocks * triton.cdiv(n_rows, FILTER_ROWS))
         for observer in _observers:
             observer.append(count)
     hidden = x_chunk.shape[1] if grad_weight is not None else 1
-    block_h = min(_BLOCK_H, max(16, triton.next_power_of_2(hidden)))
-    _filtered_weight_grad_kernel[(triton.cdiv(hidden, block_h), col_blocks)](
-        grad,
-        grad.stride(0),
-        x_chunk,
-        x_chunk.stride(0),
-        tiles,
-        tiles.stride(0),
-        counts,
-        grad_weight,
-        0 if grad_weight is None else grad_weight.stride(0),
-        grad_bias,
-        n_rows,
-        n_cols,
-        hidden,
-        FIRST=first,
-        HAS_WEIGHT=grad_weight is not None,
-        HAS_BIAS=grad_bias is not None,
-        IEEE=grad.dtype == torch.float32 or KERNELS_INTERPRETED,
-        BLOCK_V=FILTER_COLS,
-        BLOCK_H=block_h,
-        BLOCK_K=FILTER_ROWS,
-        num_warps=8,
-        num_stages=3,
-    )
+    for dense, (block_h, num_warps, num_stages) in _LAUNCHES.items():
+        block_h = min(block_h, max(16, triton.next_power_of_2(hidden)))
+        _filtered_weight_grad_kernel[(triton.cdiv(hidden, block_h), col_blocks)](
+            grad,
+            grad.stride(0),
+            x_chunk,
+            x_chunk.stride(0),
+            tiles,
+            tiles.stride(0),
+            counts,
+            kept,
+            grad_weight,
+            0 if grad_weight is None else grad_weight.stride(0),
+            grad_bias,
+            n_rows,
+            n_cols,
+            hidden,
+            DENSE=dense,
+            FIRST=first,
+            HAS_WEIGHT=grad_weight is not None,
+            HAS_BIAS=grad_bias is not None,
+            IEEE=grad.dtype == torch.float32 or KERNELS_INTERPRETED,
+            BLOCK_V=FILTER_COLS,
+            BLOCK_H=block_h,
+            BLOCK_K=FILTER_ROWS,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
