@@ -407,16 +407,14 @@ def test_hf_trainer_passes_num_items_in_batch():
 
 
 def test_compiled_training_step_has_no_graph_break_and_equals_hf():
-    # torch.compile(fullgraph=True) of a patched model's step: one graph, HF's loss and gradients
+    # torch.compile(fullgraph=True) of a patched model's step: one graph (fullgraph raises at any graph
+    # break, naming it: one trace, not a second one by torch._dynamo.explain), HF's loss and gradients
     ref, patched = model_pair("gemma2", seed=11)
     ids, labels = batch(11)
 
     def loss_of(input_ids, labels):
         return patched(input_ids=input_ids, labels=labels).loss
 
-    explained = torch._dynamo.explain(loss_of)(ids, labels)
-    assert explained.graph_break_count == 0, explained.break_reasons
-    torch._dynamo.reset()
     got = torch.compile(loss_of, fullgraph=True, backend="aot_eager")(ids, labels)
     expected = ref(input_ids=ids, labels=labels).loss
     assert rel_err(got, expected) < TOL
