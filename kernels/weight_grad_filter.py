@@ -14,11 +14,11 @@ Three launches per chunk (and vocab tile):
    byte per tile and as a list with its length.
 2. ``_filtered_weight_grad_kernel``, one program per ``[FILTER_COLS, BLOCK_H]`` block of grad_weight,
    ``G[tile, cols].T @ x[tile, h]`` in fp32 over the kept row tiles only, launched twice: once for the
-   column blocks with at most half their row tiles kept (a loop over the list: a skipped tile is neither
-   loaded nor multiplied), once for the others (a loop over every row tile whose pointers step by a
-   constant, so the GPU pipelines its loads; a skipped tile's loads are masked off and its zeros
-   multiplied). A listed loop is slower per tile (its row index is loaded in the loop), so it pays only
-   where most tiles are skipped. A block with no kept tile is written as zeros on the first chunk and
+   column blocks with at most ``DENSE_LOOP_MIN_KEPT`` (half) of their row tiles kept (a loop over the
+   list: a skipped tile is neither loaded nor multiplied), once for the others (a loop over every row
+   tile whose pointers step by a constant, so the GPU pipelines its loads; a skipped tile's loads are
+   masked off and its zeros multiplied). A listed loop is slower per tile (its row index is loaded in
+   the loop), so it pays only where most tiles are skipped. A block with no kept tile is written as zeros on the first chunk and
    not touched on a later one (no read-modify-write). The programs of one column block run side by side
    (the hidden blocks vary fastest), so ``G``'s tiles are read from HBM about once and ``x``'s from L2.
 
@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flce_policy.plan.weight_filter import FILTER_COLS, FILTER_ROWS
+from flce_policy.plan.weight_filter import DENSE_LOOP_MIN_KEPT, FILTER_COLS, FILTER_ROWS
 
 from .interpreter import KERNELS_INTERPRETED
 
@@ -180,6 +180,7 @@ def _filtered_weight_grad_kernel(
     n_rows,
     n_cols,
     hidden,
+    dense_min_kept,
     DENSE: tl.constexpr,
     FIRST: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
@@ -193,9 +194,9 @@ def _filtered_weight_grad_kernel(
     pid_v = tl.program_id(1)
     kept = tl.load(counts_ptr + pid_v)
     n_row_tiles = tl.cdiv(n_rows, BLOCK_K)
-    # Each column block runs in one of the two launches: the listed loop where at most half its row tiles
-    # are kept, the dense loop (all row tiles, the skipped ones' loads masked to zero) where more are.
-    if (kept * 2 > n_row_tiles) == DENSE:
+    # Each column block runs in one of the two launches: the listed loop where at most DENSE_LOOP_MIN_KEPT
+    # of its row tiles are kept, the dense loop (all row tiles, the skipped ones' loads masked off) where more are.
+    if (kept > n_row_tiles * dense_min_kept) == DENSE:
         cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)  # classes: columns of G, rows of grad_weight
         hs = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
         col_mask = cols < n_cols
@@ -306,6 +307,7 @@ def filtered_weight_grad(
             n_rows,
             n_cols,
             hidden,
+            DENSE_LOOP_MIN_KEPT,
             DENSE=dense,
             FIRST=first,
             HAS_WEIGHT=grad_weight is not None,
