@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import glob
 import os
+import re
 
 import pytest
 
@@ -49,6 +50,21 @@ def test_model_type_matches_hf_or_is_refused_clearly(model_type):
         pytest.skip(outcome.detail)
 
 
+def _classes_calling_head_and_loss(source: str) -> list[ast.ClassDef]:
+    """The top-level classes of a modeling file whose text names both ``self.lm_head`` and
+    ``self.loss_function``, each parsed from its own text (to the next top-level ``class``: a tenth of
+    the file, and parsing whole files was most of this test's time); the whole file where that text does
+    not parse alone (a decorator of the next class at its end, say)."""
+    starts = [m.start() for m in re.finditer(r"^class ", source, re.MULTILINE)]
+    pieces = [source[a:b] for a, b in zip(starts, [*starts[1:], len(source)], strict=True)]
+    pieces = [p for p in pieces if "self.loss_function" in p and "self.lm_head" in p]
+    try:
+        trees = [ast.parse(p) for p in pieces]
+    except SyntaxError:
+        trees = [ast.parse(source)]
+    return [node for tree in trees for node in tree.body if isinstance(node, ast.ClassDef)]
+
+
 def test_transform_attributes_cover_every_name_the_installed_transformers_reads():
     # Derived from the library: every config attribute any *For{CausalLM,ConditionalGeneration}.forward
     # reads between its lm_head call and self.loss_function is in TRANSFORM_ATTRIBUTES, or is one of the
@@ -61,7 +77,7 @@ def test_transform_attributes_cover_every_name_the_installed_transformers_reads(
             source = f.read()
         if "self.loss_function" not in source or "self.lm_head(" not in source:
             continue
-        for cls in (n for n in ast.parse(source).body if isinstance(n, ast.ClassDef)):
+        for cls in _classes_calling_head_and_loss(source):
             for fn in (n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "forward"):
                 calls = [c for c in ast.walk(fn) if isinstance(c, ast.Call)]
                 heads = [c.lineno for c in calls if (_dotted(c.func) or "").startswith("self.lm_head")]
