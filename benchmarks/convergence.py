@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .trained_config import TrainedConfig
-from .trained_inputs import _log, default_device, prepare_streams
+from .trained_inputs import default_device, log_stderr, prepare_streams
 
 __all__ = ["main", "RUNS"]
 
@@ -31,7 +31,7 @@ def run_all(
     *,
     max_seconds: float | None = None,
     sources: Callable[[], list] | None = None,
-    log: Callable[[str], None] = _log,
+    log: Callable[[str], None] = log_stderr,
 ) -> dict[str, Any]:
     """The three trainings of :data:`RUNS` and their held-out losses; ``sources()`` lists the corpus files."""
     from .trained_model import held_out_loss, train
@@ -48,9 +48,7 @@ def run_all(
             device=device,
             loss_options=options,
             log_every=max(1, config.steps // 10),
-            on_log=lambda step, loss, seconds: log(
-                f"step {step + 1}/{config.steps} loss {loss:.4f} ({seconds:.1f} s)"
-            ),
+            on_log=lambda step, loss, seconds: log(f"step {step + 1}/{config.steps} loss {loss:.4f} ({seconds:.1f} s)"),
             max_seconds=max_seconds,
         )
         held_out = held_out_loss(result.model, config, streams.held_out_ids, device=device)

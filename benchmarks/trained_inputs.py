@@ -37,6 +37,7 @@ from .trained_corpus import Corpus
 
 __all__ = [
     "DEFAULT_CACHE_DIR",
+    "log_stderr",
     "MAX_TRAIN_SECONDS",
     "Streams",
     "prepare_streams",
@@ -66,7 +67,7 @@ def cache_path(config: TrainedConfig, cache_dir: Path | str | None = None) -> Pa
     return Path(cache_dir or DEFAULT_CACHE_DIR) / f"{cache_key(config)}.pt"
 
 
-def _log(message: str) -> None:
+def log_stderr(message: str) -> None:
     print(f"[trained-inputs] {message}", file=sys.stderr, flush=True)
 
 
@@ -81,7 +82,7 @@ class Streams:
 
 
 def prepare_streams(
-    config: TrainedConfig, *, sources: Callable[[], list] | None = None, log: Callable[[str], None] = _log
+    config: TrainedConfig, *, sources: Callable[[], list] | None = None, log: Callable[[str], None] = log_stderr
 ) -> Streams:
     """Corpus, tokenizer and token streams of ``config``; ``sources()`` lists the corpus files.
 
@@ -118,7 +119,7 @@ def build_cache(
     *,
     device: torch.device | None = None,
     sources: Callable[[], list] | None = None,
-    log: Callable[[str], None] = _log,
+    log: Callable[[str], None] = log_stderr,
     max_train_seconds: float | None = None,
 ) -> dict[str, Any]:
     """Build everything a cache file holds (see the module doc); ``sources()`` lists the corpus files.
@@ -172,7 +173,7 @@ def load_or_build(
     *,
     device: torch.device | None = None,
     sources: Callable[[], list] | None = None,
-    log: Callable[[str], None] = _log,
+    log: Callable[[str], None] = log_stderr,
     max_train_seconds: float | None = None,
 ) -> dict[str, Any]:
     """The cache file for ``config``, built and saved first when it is missing."""

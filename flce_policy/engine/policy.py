@@ -244,17 +244,24 @@ class FLCEPolicy:
 
     def resolve_rule(self, device: DeviceInfo) -> tuple[str, ChunkStrategy]:
         """The rule that applies to ``device`` (``"devices[0] (match H100)"`` or ``"default"``), and its strategy."""
-        for i, rule in enumerate(self.rules):
-            if rule.matches(device):
-                return f"devices[{i}] ({rule.describe()})", rule.strategy
-        return DEFAULT_RULE, self.default_strategy
+        index, rule = self._matching_rule(device)
+        return (
+            (DEFAULT_RULE, self.default_strategy)
+            if rule is None
+            else (f"devices[{index}] ({rule.describe()})", rule.strategy)
+        )
 
     def grad_weight_filter_for(self, device: DeviceInfo) -> float | None:
         """The grad_weight filter eps of the rule that applies to ``device`` (None: dense)."""
-        for rule in self.rules:
+        _, rule = self._matching_rule(device)
+        return self.default_grad_weight_filter if rule is None else rule.grad_weight_filter
+
+    def _matching_rule(self, device: DeviceInfo) -> tuple[int, DeviceRule | None]:
+        """The first device rule that matches ``device`` and its index; (-1, None) for the default rule."""
+        for i, rule in enumerate(self.rules):
             if rule.matches(device):
-                return rule.grad_weight_filter
-        return self.default_grad_weight_filter
+                return i, rule
+        return -1, None
 
     def same_strategy_as(self, other: FLCEPolicy, device: DeviceInfo) -> bool:
         """True when ``other`` gives ``device`` an equal strategy (same class and parameters), whichever rule."""
