@@ -7,26 +7,30 @@ there has a per-token ``|p_c - [c == y]| >= eps`` (``p = softmax(z)``, ``z`` aft
 unscaled: the reduction, ``grad_output``, class weights, token scaling, z-loss and smoothing do not
 move it) or is the target.
 
-Three launches per chunk (and vocab tile):
+Two launches per chunk (and vocab tile):
 
 1. ``_kept_tiles_kernel``, one program per ``FILTER_COLS`` columns: which of the chunk's row tiles
    (``FILTER_ROWS`` rows each, from the chunk's first row) have flags there that are not all 0, as a
    byte per tile and as a list with its length.
-2. ``_filtered_weight_grad_kernel``, one program per ``[FILTER_COLS, BLOCK_H]`` block of grad_weight,
-   ``G[tile, cols].T @ x[tile, h]`` in fp32 over the kept row tiles only, launched twice: once for the
-   column blocks with at most ``DENSE_LOOP_MIN_KEPT`` (half) of their row tiles kept (a loop over the
-   list: a skipped tile is neither loaded nor multiplied), once for the others (a loop over every row
-   tile whose pointers step by a constant, so the GPU pipelines its loads; a skipped tile's loads are
-   masked off and its zeros multiplied). A listed loop is slower per tile (its row index is loaded in
-   the loop), so it pays only where most tiles are skipped. A block with no kept tile is written as zeros on the first chunk and
-   not touched on a later one (no read-modify-write). The programs of one column block run side by side
-   (the hidden blocks vary fastest), so ``G``'s tiles are read from HBM about once and ``x``'s from L2.
+2. One program per ``[FILTER_COLS, BLOCK_H]`` block of grad_weight, ``G[tile, cols].T @ x[tile, h]`` in
+   fp32 over the kept row tiles only (a skipped tile is neither loaded nor multiplied):
+   ``_listed_tma_kernel`` loads the listed tiles through TMA descriptors, the next tile's row read one
+   iteration ahead, so the loads pipeline whatever the list: 1.01x cuBLAS's time with every tile kept,
+   0.31x with 18% kept (H200, results/notes/2026-12-01-h200-filter-probe-3.log). Where TMA cannot
+   run (a GPU before Hopper, strides or addresses not 16-byte aligned) ``_filtered_weight_grad_kernel``
+   does, launched twice: a pointer-based loop over the list for the column blocks with at most
+   ``DENSE_LOOP_MIN_KEPT`` of their row tiles kept, and a loop over every row tile (pointers stepped by
+   a constant, the skipped tiles' loads masked off and their zeros multiplied) for the others.
+   A block with no kept tile is written as zeros on the first chunk and not touched on a later one (no
+   read-modify-write). The programs of one column block run side by side (the hidden blocks vary
+   fastest), so ``G``'s tiles are read from HBM about once and ``x``'s from L2.
 
 grad_input is not filtered: the driver keeps it dense.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, NamedTuple
@@ -38,6 +42,11 @@ import triton.language as tl
 from flce_policy.plan.weight_filter import DENSE_LOOP_MIN_KEPT, FILTER_COLS, FILTER_ROWS
 
 from .interpreter import KERNELS_INTERPRETED
+
+try:  # Triton >= 3.4; older ones run the pointer-based launches
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - depends on the Triton installed
+    TensorDescriptor = None
 
 if TYPE_CHECKING:
     from .driver_call import DriverCall
@@ -54,9 +63,12 @@ __all__ = [
     "store_flags",
 ]
 
-#: (grad_weight columns per program, warps, stages) of the two launches, dense loop (True) and listed
-#: loop (False): the fastest of a sweep at 4096x1024x131072 on the H200 (results/notes/2026-12-01-h200-filter-probe*).
+#: (grad_weight columns per program, warps, stages) of the pointer-based launches, dense loop (True) and
+#: listed loop (False), and of the TMA launch: the fastest of sweeps at 4096x1024x131072 on the H200
+#: (results/notes/2026-12-01-h200-filter-probe*; TMA: 256/8/4 is within 5% of the best at 18%, 50% and
+#: 100% of the tiles kept).
 _LAUNCHES = {True: (256, 8, 3), False: (128, 8, 3)}
+_TMA_LAUNCH = (256, 8, 4)
 
 
 # --------------------------------------------------------------------------- the flags (in the CE finish kernel)
@@ -254,6 +266,61 @@ def _filtered_weight_grad_kernel(
 
 
 @triton.jit
+def _listed_tma_kernel(
+    grad_desc,
+    x_desc,
+    tiles_ptr,
+    tile_stride,
+    counts_ptr,
+    out_ptr,
+    out_stride,
+    bias_ptr,
+    n_cols,
+    hidden,
+    FIRST: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    pid_h = tl.program_id(0)  # fastest: the programs of one column block share its G tiles in L2
+    pid_v = tl.program_id(1)
+    kept = tl.load(counts_ptr + pid_v)
+    listed = tiles_ptr + pid_v * tile_stride
+    acc = tl.zeros([BLOCK_V, BLOCK_H], dtype=tl.float32)
+    bias_acc = tl.zeros([BLOCK_V], dtype=tl.float32)
+    # the next tile's row read one iteration ahead: a TMA load whose offset comes from a load in the same
+    # iteration does not pipeline (1.4x cuBLAS per tile against 1.01x, H200)
+    next_tile = tl.load(listed, mask=kept > 0, other=0)
+    for i in tl.range(0, kept, num_stages=STAGES):
+        row = next_tile * BLOCK_K
+        next_tile = tl.load(listed + i + 1, mask=i + 1 < kept, other=0)
+        g = grad_desc.load([row, pid_v * BLOCK_V])  # [BLOCK_K, BLOCK_V]; rows and columns past the end read 0
+        if HAS_WEIGHT:
+            acc = _accumulate(tl.trans(g), x_desc.load([row, pid_h * BLOCK_H]), acc, IEEE)
+        if HAS_BIAS:
+            bias_acc += tl.sum(g.to(tl.float32), axis=0)
+    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_mask = cols < n_cols
+    if HAS_WEIGHT:
+        hs = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+        out = out_ptr + cols.to(tl.int64)[:, None] * out_stride + hs[None, :]
+        out_mask = col_mask[:, None] & (hs < hidden)[None, :]
+        if FIRST:
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        elif kept > 0:
+            total = tl.load(out, mask=out_mask, other=0.0).to(tl.float32) + acc
+            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+    if HAS_BIAS:
+        if (pid_h == 0) & (kept > 0):
+            total_b = tl.load(bias_ptr + cols, mask=col_mask, other=0.0) + bias_acc
+            tl.store(bias_ptr + cols, total_b, mask=col_mask)
+
+
+@triton.jit
 def _accumulate(gt, x, acc, IEEE: tl.constexpr):
     """``acc + gt @ x`` (``gt`` a [BLOCK_V, BLOCK_K] tile of G^T)."""
     if IEEE:
@@ -290,6 +357,35 @@ def filtered_weight_grad(
         for observer in _observers:
             observer.append(count)
     hidden = x_chunk.shape[1] if grad_weight is not None else 1
+    launch_args = dict(
+        FIRST=first,
+        HAS_WEIGHT=grad_weight is not None,
+        HAS_BIAS=grad_bias is not None,
+        IEEE=grad.dtype == torch.float32 or KERNELS_INTERPRETED,
+        BLOCK_V=FILTER_COLS,
+        BLOCK_K=FILTER_ROWS,
+    )
+    if _tma_runs(grad, x_chunk):
+        block_h, num_warps, num_stages = _TMA_LAUNCH
+        block_h = min(block_h, max(16, triton.next_power_of_2(hidden)))
+        _listed_tma_kernel[(triton.cdiv(hidden, block_h), col_blocks)](
+            TensorDescriptor.from_tensor(grad, [FILTER_ROWS, FILTER_COLS]),
+            TensorDescriptor.from_tensor(x_chunk, [FILTER_ROWS, block_h]),
+            tiles,
+            tiles.stride(0),
+            counts,
+            grad_weight,
+            0 if grad_weight is None else grad_weight.stride(0),
+            grad_bias,
+            n_cols,
+            hidden,
+            **launch_args,
+            BLOCK_H=block_h,
+            STAGES=num_stages,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
+        return
     for dense, (block_h, num_warps, num_stages) in _LAUNCHES.items():
         block_h = min(block_h, max(16, triton.next_power_of_2(hidden)))
         _filtered_weight_grad_kernel[(triton.cdiv(hidden, block_h), col_blocks)](
@@ -309,13 +405,26 @@ def filtered_weight_grad(
             hidden,
             DENSE_LOOP_MIN_KEPT,
             DENSE=dense,
-            FIRST=first,
-            HAS_WEIGHT=grad_weight is not None,
-            HAS_BIAS=grad_bias is not None,
-            IEEE=grad.dtype == torch.float32 or KERNELS_INTERPRETED,
-            BLOCK_V=FILTER_COLS,
+            **launch_args,
             BLOCK_H=block_h,
-            BLOCK_K=FILTER_ROWS,
             num_warps=num_warps,
             num_stages=num_stages,
         )
+
+
+def _tma_runs(*tensors: torch.Tensor) -> bool:
+    """Whether TMA descriptors can load these 2-D 16-bit tensors: Triton has them, the GPU is a Hopper or later
+    (or the interpreter runs), rows contiguous, row strides and addresses 16-byte aligned."""
+    if TensorDescriptor is None:
+        return False
+    if not KERNELS_INTERPRETED and not _has_tma(tensors[0].device):
+        return False
+    return all(
+        t.element_size() == 2 and t.stride(1) == 1 and (t.stride(0) * 2) % 16 == 0 and t.data_ptr() % 16 == 0
+        for t in tensors
+    )
+
+
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
