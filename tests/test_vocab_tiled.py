@@ -14,7 +14,7 @@ from flce_policy import Geometry, Problem, fused_linear_cross_entropy
 from flce_policy.kernels.driver import observe_chunks
 from flce_policy.plan.accumulator import accumulator_layout
 
-BT, H, V = 37, 24, 301  # odd on purpose: tails in both dimensions
+BT, H, V = 13, 24, 101  # odd on purpose: tails in both dimensions (small: the interpreter runs a program per row and tile)
 
 
 def make_inputs(seed: int = 0, *, ignored: int = 3):
@@ -61,14 +61,15 @@ def rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-#: (chunk_size, vocab_chunk) over BT=37, V=301: one row chunk in 5 tiles (the last of 45 columns); 5 row
-#: chunks (the last of 5 rows) in 4 tiles (the last of 1 column); 3 row chunks in 9 tiles (the last of 5).
+#: (chunk_size, vocab_chunk) over BT=13, V=101: one row chunk in 4 tiles (the last of 5 columns); 4 row
+#: chunks (the last of 1 row) in 3 tiles (the last of 1 column); 3 row chunks (the last of 1 row) in 8 tiles
+#: (the last of 10).
 #: Each reduction on each, but sum on one only: to the kernels sum is mean's path with another scalar
 #: grad_scale (reduction none is the per-row one), and that scalar is worked out before any geometry.
 EVERY_OPTION_CASES = [
     pytest.param(geometry, reduction, id=f"{reduction}-{geometry}")
-    for geometry in [(37, 64), (8, 100), (16, 37)]
-    for reduction in ["mean", "none"] + (["sum"] if geometry == (16, 37) else [])
+    for geometry in [(13, 32), (4, 50), (6, 13)]
+    for reduction in ["mean", "none"] + (["sum"] if geometry == (6, 13) else [])
 ]
 
 
@@ -91,8 +92,8 @@ def test_every_option_against_the_reference(geometry, reduction):
 
 def test_same_numbers_as_row_only_geometry():
     x, w, b, y, _ = make_inputs(1)
-    tiled, tiled_grads = run((8, 64), x, w, b, y)
-    rows, rows_grads = run((8, V), x, w, b, y)
+    tiled, tiled_grads = run((4, 32), x, w, b, y)
+    rows, rows_grads = run((4, V), x, w, b, y)
     assert rel(tiled.loss, rows.loss) < 1e-6
     for got, want in zip(tiled_grads, rows_grads, strict=True):
         assert rel(got, want) < 1e-5
@@ -100,7 +101,7 @@ def test_same_numbers_as_row_only_geometry():
 
 def test_plain_options_and_no_bias():
     x, w, _, y, _ = make_inputs(2)
-    out, (gx, gw) = run((37, 50), x, w, None, y)
+    out, (gx, gw) = run((BT, 25), x, w, None, y)
     leaves = [t.clone().requires_grad_() for t in (x, w)]
     ref_loss, _ = reference(*leaves, None, y)
     rgx, rgw = torch.autograd.grad(ref_loss, leaves)
@@ -110,15 +111,15 @@ def test_plain_options_and_no_bias():
 def test_driver_walks_each_row_chunk_with_the_geometry_slab():
     x, w, b, y, _ = make_inputs(3)
     with observe_chunks() as events:
-        run((16, 100), x, w, b, y)
-    assert [(e.row_start, e.rows) for e in events] == [(0, 16), (16, 16), (32, 5)]
-    assert {e.slab_shape for e in events} == {(16, 100)}
-    assert {e.slab_bytes for e in events} == {16 * 100 * 4}
+        run((5, 40), x, w, b, y)
+    assert [(e.row_start, e.rows) for e in events] == [(0, 5), (5, 5), (10, 3)]
+    assert {e.slab_shape for e in events} == {(5, 40)}
+    assert {e.slab_bytes for e in events} == {5 * 40 * 4}
 
 
 def test_no_grad_and_frozen_weight():
     x, w, b, y, _ = make_inputs(4)
-    geometry = Geometry.for_problem(Problem(BT, H, V, torch.float32), 16, vocab_chunk=64)
+    geometry = Geometry.for_problem(Problem(BT, H, V, torch.float32), 6, vocab_chunk=32)
     with torch.no_grad():
         loss = fused_linear_cross_entropy(x.float(), w.float(), y, b.float(), policy=geometry)
     ref_loss, _ = reference(x, w, b, y)
@@ -140,7 +141,7 @@ def test_bf16_single_row_chunk_rounds_weight_gradient_once():
     xe, we = (t.to(torch.bfloat16).requires_grad_() for t in (x, w))
     eager = F.cross_entropy((xe @ we.t()).float(), y)
     _, egw = torch.autograd.grad(eager, [xe, we])
-    _, (_, gw) = run((BT, 64), x, w, None, y, dtype=torch.bfloat16)
+    _, (_, gw) = run((BT, 32), x, w, None, y, dtype=torch.bfloat16)
     # the interpreter rounds fp32 -> bf16 by truncation (twice the error of the GPU's rounding)
     assert rel(gw, rgw) <= 4 * rel(egw, rgw)
 
@@ -179,16 +180,16 @@ def worst_row_error(got, want):
 @pytest.mark.parametrize(
     "chunk_size, vocab_chunk, hidden, expected",
     [
-        # one row chunk, grad_weight lends its last 38 rows: the last 3 tiles of 16 are late
-        (BT, 16, H, dict(in_grad_input=18, separate=0, in_grad_weight=19, late_tiles=3)),
-        # one late tile, still in the slab when its rows are free
-        (BT, 64, H, dict(in_grad_input=18, separate=0, in_grad_weight=19, late_tiles=1)),
-        # two late tiles of 100 columns would recompute a third of V: a buffer instead
-        (BT, 100, H, dict(in_grad_input=18, separate=19, in_grad_weight=0, late_tiles=0)),
+        # one row chunk, grad_weight lends its last 14 rows (7 fp32 rows): the last 3 tiles of 8 are late
+        (BT, 8, H, dict(in_grad_input=6, separate=0, in_grad_weight=7, late_tiles=3)),
+        # one late tile (the last, of 17 columns), still in the slab when its rows are free
+        (BT, 28, H, dict(in_grad_input=6, separate=0, in_grad_weight=7, late_tiles=1)),
+        # two late tiles of 50 columns would recompute half of V: a buffer instead
+        (BT, 50, H, dict(in_grad_input=6, separate=7, in_grad_weight=0, late_tiles=0)),
         # several row chunks accumulate into grad_weight: the tail rows get a buffer
-        (16, 64, H, dict(in_grad_input=8, separate=8, in_grad_weight=0, late_tiles=0)),
+        (6, 32, H, dict(in_grad_input=3, separate=3, in_grad_weight=0, late_tiles=0)),
         # odd H: a bf16 row does not hold whole fp32 values at every row start
-        (BT, 16, 25, dict(in_grad_input=0, separate=BT, in_grad_weight=0, late_tiles=0)),
+        (BT, 8, 25, dict(in_grad_input=0, separate=BT, in_grad_weight=0, late_tiles=0)),
     ],
     ids=["late-3", "late-1", "recompute-too-wide", "row-chunks", "odd-hidden"],
 )
@@ -205,7 +206,7 @@ def test_bf16_accumulator_layouts_match_the_reference(chunk_size, vocab_chunk, h
 
 def test_bf16_frozen_weight_keeps_the_tail_in_a_buffer():
     x, w, y, (rgx, _), (egx, _) = bf16_case(8)
-    geometry, (gx,) = run_bf16(x, w, y, BT, 16, weight_grad=False)
+    geometry, (gx,) = run_bf16(x, w, y, BT, 8, weight_grad=False)
     assert accumulator_layout(geometry, weight_grad=False).separate == BT - BT // 2
     assert worst_row_error(gx, rgx) <= 4 * worst_row_error(egx, rgx)
 
@@ -253,7 +254,7 @@ def test_bf16_borrowed_accumulator_with_every_option(reduction):
     x, w, b, y, cw = make_inputs(10)
     x, w, b = (t.to(torch.bfloat16).double() for t in (x, w, b))  # the reference sees the rounded inputs
     options = dict(reduction=reduction, label_smoothing=0.1, softcap=8.0, z_loss_scale=1e-3)
-    geometry = Geometry.for_problem(Problem(BT, H, V, torch.bfloat16), BT, vocab_chunk=16)
+    geometry = Geometry.for_problem(Problem(BT, H, V, torch.bfloat16), BT, vocab_chunk=8)
     assert accumulator_layout(geometry).late_tiles == 3
     grad_output = torch.randn(BT, dtype=torch.float64) if reduction == "none" else torch.tensor(1.0).double()
     leaves = [t.to(torch.bfloat16).requires_grad_() for t in (x, w, b)]
