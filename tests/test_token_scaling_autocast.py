@@ -79,7 +79,7 @@ def test_token_scaling_matches_scaled_reference(reduction, options, policy):
     options = dict(options)
     inputs = make_inputs(bias=True, class_weight=options.pop("class_weight", False), n_ignored=5)
     if policy == "vocab_tiled":
-        policy = Geometry.for_problem(Problem(BT, H, V, "float32"), 16, vocab_chunk=128)
+        policy = Geometry.for_problem(Problem(BT, H, V, "float32"), 8, vocab_chunk=128)  # 2 row chunks x 4 tiles
     x, w, b = (inputs[k].clone().requires_grad_() for k in ("x", "w", "b"))
     xr, wr, br = (inputs[k].double().requires_grad_() for k in ("x", "w", "b"))
     cw = inputs.get("cw")
