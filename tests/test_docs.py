@@ -1,13 +1,17 @@
 """The code blocks of README.md and docs/*.md run as written (CPU, Triton interpreter).
 
-Each ```python block runs in a fresh interpreter, in a fresh working directory, with
+Each ```python block runs in a process of its own, in a fresh working directory, with
 ``TRITON_INTERPRET=1`` and no GPU visible. Each command of a ```bash / ```console block (in
 ```console, the lines after ``$ ``) must be a ``flce-policy`` command, ``NAME=value`` prefixes
-allowed, no pipes or redirections; a block's commands run one after the other in one fresh
-interpreter, through the installed ``flce-policy`` entry point (one torch import per block, not per
-command: CI's time is short), from a working directory holding the file's ``file`` blocks. A failure
-names the Markdown file and the line of the block or command (python tracebacks point into the
-Markdown file itself). Keep blocks tiny: the whole file runs in about a minute on 2 CPU cores.
+allowed, no pipes or redirections; a block's commands run one after the other in one process,
+through the installed ``flce-policy`` entry point (one process per block, not per command: CI's
+time is short), from a working directory holding the file's ``file`` blocks. The processes are
+forked from one that has imported torch, flce_policy and transformers already, with the blocks'
+environment (tests/_docs_child.py: a start-up per test process, not per block); each starts from
+a fresh ``__main__`` namespace, its own environment and the ``sys.path`` of ``python script.py``.
+A failure names the Markdown file and the line of the block or command (python tracebacks point
+into the Markdown file itself). Keep blocks tiny: the whole file runs in about half a minute on 2
+CPU cores.
 
 An HTML comment on the line(s) right above a fence, invisible once rendered, changes how it runs:
 
@@ -30,12 +34,11 @@ import os
 import re
 import shlex
 import socket
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import _docs_child
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -208,30 +211,34 @@ def _torchrun_environments(ranks: int) -> list[dict[str, str]]:
 def run_python(unit: Unit, workdir: Path) -> None:
     chain = [{"where": b.where, "path": str(b.path), "line": b.line, "code": b.code} for b in unit.blocks]
     (workdir / "_docs_chain.json").write_text(json.dumps(chain))
-    (workdir / "_docs_driver.py").write_text(DRIVER)
     ranks = unit.blocks[0].marker("torchrun")
     environments = _torchrun_environments(int(ranks)) if ranks else [_environment()]
     logs = [workdir / f"_docs_process{i}.log" for i in range(len(environments))]
-    processes = []
-    for env, log in zip(environments, logs, strict=True):
-        with log.open("w") as out:
-            command = [sys.executable, "_docs_driver.py", "_docs_chain.json"]
-            processes.append(subprocess.Popen(command, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        for process in processes:
-            process.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        for process in processes:
-            process.kill()
-            process.wait()
-        pytest.fail(f"{unit.where}: still running after {TIMEOUT_S} s", pytrace=False)
+    argv = ["_docs_driver.py", "_docs_chain.json"]
+    processes = [
+        _docs_child.start(DRIVER, argv, str(workdir), env, str(log))
+        for env, log in zip(environments, logs, strict=True)
+    ]
+    _wait(unit, processes)
     for rank, (process, log) in enumerate(zip(processes, logs, strict=True)):
-        if process.returncode != 0:
+        if process.exitcode != 0:
             output = log.read_text()
             started = re.findall(r"docs-test: running (\S+)", output)
             what = "this python block failed" + (f" on rank {rank}" if ranks else "")
-            _fail(started[-1] if started else unit.where, what, process.returncode, output)
+            _fail(started[-1] if started else unit.where, what, process.exitcode, output)
+
+
+def _wait(unit: Unit, processes: list) -> None:
+    """Until every process of ``unit`` has ended; a failure naming the unit (and the processes killed) past
+    TIMEOUT_S."""
+    deadline = time.monotonic() + TIMEOUT_S
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    if any(process.is_alive() for process in processes):
+        for process in processes:
+            process.kill()
+            process.join()
+        pytest.fail(f"{unit.where}: still running after {TIMEOUT_S} s", pytrace=False)
 
 
 def shell_commands(block: Block) -> list[tuple[int, dict[str, str], list[str]]]:
@@ -264,17 +271,15 @@ def run_shell(unit: Unit, workdir: Path) -> None:
     file = block.where.rsplit(":", 1)[0]
     commands = [(f"{file}:{number}", env, args) for number, env, args in shell_commands(block)]
     (workdir / "_docs_commands.json").write_text(json.dumps(commands))
-    (workdir / "_docs_cli.py").write_text(CLI_DRIVER)
-    command = [sys.executable, "_docs_cli.py", "_docs_commands.json"]
-    try:
-        run = subprocess.run(
-            command, cwd=workdir, env=_environment(), capture_output=True, text=True, timeout=TIMEOUT_S
-        )
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{unit.where}: still running after {TIMEOUT_S} s", pytrace=False)
-    if run.returncode != 0:
-        started = re.findall(r"docs-test: running (\S+: .*)", run.stderr)
-        _fail(started[-1] if started else unit.where, "this command failed", run.returncode, run.stdout + run.stderr)
+    log = workdir / "_docs_cli.log"
+    process = _docs_child.start(
+        CLI_DRIVER, ["_docs_cli.py", "_docs_commands.json"], str(workdir), _environment(), str(log)
+    )
+    _wait(unit, [process])
+    if process.exitcode != 0:
+        output = log.read_text()
+        started = re.findall(r"docs-test: running (\S+: .*)", output)
+        _fail(started[-1] if started else unit.where, "this command failed", process.exitcode, output)
 
 
 def run_unit(unit: Unit, workdir: Path) -> None:
