@@ -265,7 +265,7 @@ def _ce_finish_kernel(
     ENTROPY: tl.constexpr = False,
     flags_ptr=None,
     flag_row_stride=0,
-    filter_eps=0.0,
+    filter_log_eps=0.0,
     FILTER: tl.constexpr = False,
     FLAG_GROUPS: tl.constexpr = 1,
     FLAG_COLS: tl.constexpr = 128,
@@ -367,10 +367,9 @@ def _ce_finish_kernel(
                 if FILTER:
                     # The skip rule reads the per-token |p_c - [c == y]|, before every scale of the row (the
                     # reduction's, grad_output, class weight, token scaling, z-loss, smoothing, softcap's
-                    # chain rule); the target's column always counts.
-                    p = tl.exp(z - lse)
-                    is_target = offs == local_target
-                    keep = ((tl.abs(tl.where(is_target, p - 1.0, p)) >= filter_eps) | is_target) & mask
+                    # chain rule); the target's column always counts. Off the target |p_c - 0| >= eps is
+                    # z_c - lse >= log(eps): a compare, not a second exp per element.
+                    keep = ((z - lse >= filter_log_eps) | (offs == local_target)) & mask
                     store_flags(
                         flags_ptr + row * flag_row_stride, keep, start, col_stop, BLOCK_V, FLAG_GROUPS, FLAG_COLS
                     )

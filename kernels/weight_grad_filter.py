@@ -7,12 +7,12 @@ there has a per-token ``|p_c - [c == y]| >= eps`` (``p = softmax(z)``, ``z`` aft
 unscaled: the reduction, ``grad_output``, class weights, token scaling, z-loss and smoothing do not
 move it) or is the target.
 
-Two launches per chunk (and vocab tile):
+Three launches per chunk (and vocab tile):
 
-1. ``_kept_tiles_kernel``, one program per ``FILTER_COLS`` columns: which of the chunk's row tiles
-   (``FILTER_ROWS`` rows each, from the chunk's first row) have flags there that are not all 0, as a
-   byte per tile and as a list with its length.
-2. One program per ``[FILTER_COLS, BLOCK_H]`` block of grad_weight, ``G[tile, cols].T @ x[tile, h]`` in
+1. ``_tile_flags_kernel``: which of the chunk's row tiles (``FILTER_ROWS`` rows each, from the chunk's
+   first row) have flags that are not all 0 in each ``FILTER_COLS`` columns, a byte per tile.
+2. ``_list_tiles_kernel``, one program per ``FILTER_COLS`` columns: those tiles as a list and its length.
+3. One program per ``[FILTER_COLS, BLOCK_H]`` block of grad_weight, ``G[tile, cols].T @ x[tile, h]`` in
    fp32 over the kept row tiles only (a skipped tile is neither loaded nor multiplied):
    ``_listed_tma_kernel`` loads the listed tiles through TMA descriptors, the next tile's row read one
    iteration ahead, so the loads pipeline whatever the list: 1.01x cuBLAS's time with every tile kept,
@@ -31,6 +31,7 @@ grad_input is not filtered: the driver keeps it dense.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, NamedTuple
@@ -69,6 +70,8 @@ __all__ = [
 #: 100% of the tiles kept).
 _LAUNCHES = {True: (256, 8, 3), False: (128, 8, 3)}
 _TMA_LAUNCH = (256, 8, 4)
+#: Column blocks per program of the kernel reading the flags (a row of 128 flags: 128 bytes, one line)
+_FLAG_BLOCKS = 128
 
 
 # --------------------------------------------------------------------------- the flags (in the CE finish kernel)
@@ -100,7 +103,7 @@ def finish_kernel_args(ws: CEWorkspace, flags: torch.Tensor | None, eps: float) 
     return dict(
         flags_ptr=flags,
         flag_row_stride=flags.stride(0),
-        filter_eps=float(eps),
+        filter_log_eps=math.log(eps) if eps > 0 else -math.inf,  # eps 0 keeps every tile
         FILTER=True,
         FLAG_GROUPS=max(ws.block_v // FILTER_COLS, 1),
         FLAG_COLS=FILTER_COLS,
@@ -160,20 +163,34 @@ def filter_scratch_for(call: DriverCall, rows: int, tile_cols: int) -> FilterScr
 
 
 @triton.jit
-def _kept_tiles_kernel(
-    flags_ptr, flag_stride, tiles_ptr, tile_stride, counts_ptr, kept_ptr, n_rows, BLOCK_K: tl.constexpr
+def _tile_flags_kernel(
+    flags_ptr, flag_stride, kept_ptr, tile_stride, n_rows, n_col_blocks, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr
 ):
+    """kept[c, r] = 1 where row tile r has a flag set in column block c: one program per row tile and
+    BLOCK_C column blocks, reading the flags row by row (coalesced; a column of them is 1 byte in V/128)."""
+    row_tile = tl.program_id(0)
+    blocks = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    rows = row_tile * BLOCK_K + tl.arange(0, BLOCK_K)
+    block_mask = blocks < n_col_blocks
+    flags = tl.load(
+        flags_ptr + rows.to(tl.int64)[:, None] * flag_stride + blocks[None, :],
+        mask=(rows < n_rows)[:, None] & block_mask[None, :],
+        other=0,
+    )
+    is_kept = tl.max(flags.to(tl.int32), axis=0) > 0
+    tl.store(kept_ptr + blocks * tile_stride + row_tile, is_kept.to(tl.uint8), mask=block_mask)
+
+
+@triton.jit
+def _list_tiles_kernel(kept_ptr, tiles_ptr, tile_stride, counts_ptr, n_row_tiles, ROW_TILES: tl.constexpr):
+    """A column block's kept row tiles as an ascending list and its length (one program per column block)."""
     col_block = tl.program_id(0)
-    count = 0
-    for row_start in range(0, n_rows, BLOCK_K):
-        rows = row_start + tl.arange(0, BLOCK_K)
-        flags = tl.load(flags_ptr + rows.to(tl.int64) * flag_stride + col_block, mask=rows < n_rows, other=0)
-        is_kept = tl.max(flags.to(tl.int32), axis=0) > 0
-        tl.store(kept_ptr + col_block * tile_stride + row_start // BLOCK_K, is_kept.to(tl.uint8))
-        if is_kept:
-            tl.store(tiles_ptr + col_block * tile_stride + count, row_start // BLOCK_K)
-            count += 1
-    tl.store(counts_ptr + col_block, count)
+    row_tiles = tl.arange(0, ROW_TILES)
+    in_range = row_tiles < n_row_tiles
+    is_kept = tl.load(kept_ptr + col_block * tile_stride + row_tiles, mask=in_range, other=0).to(tl.int32)
+    position = tl.cumsum(is_kept, axis=0) - is_kept
+    tl.store(tiles_ptr + col_block * tile_stride + position, row_tiles, mask=in_range & (is_kept > 0))
+    tl.store(counts_ptr + col_block, tl.sum(is_kept, axis=0))
 
 
 @triton.jit
@@ -349,11 +366,15 @@ def filtered_weight_grad(
     n_rows, n_cols = grad.shape
     col_blocks = triton.cdiv(n_cols, FILTER_COLS)
     flags, tiles, counts, kept = scratch
-    _kept_tiles_kernel[(col_blocks,)](
-        flags, flags.stride(0), tiles, tiles.stride(0), counts, kept, n_rows, BLOCK_K=FILTER_ROWS, num_warps=1
+    row_tiles = triton.cdiv(n_rows, FILTER_ROWS)
+    _tile_flags_kernel[(row_tiles, triton.cdiv(col_blocks, _FLAG_BLOCKS))](
+        flags, flags.stride(0), kept, kept.stride(0), n_rows, col_blocks, BLOCK_K=FILTER_ROWS, BLOCK_C=_FLAG_BLOCKS
+    )
+    _list_tiles_kernel[(col_blocks,)](
+        kept, tiles, tiles.stride(0), counts, row_tiles, ROW_TILES=triton.next_power_of_2(row_tiles)
     )
     if _observers:
-        count = TileCount(counts[:col_blocks].sum(), col_blocks * triton.cdiv(n_rows, FILTER_ROWS))
+        count = TileCount(counts[:col_blocks].sum(), col_blocks * row_tiles)
         for observer in _observers:
             observer.append(count)
     hidden = x_chunk.shape[1] if grad_weight is not None else 1

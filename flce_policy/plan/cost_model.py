@@ -14,11 +14,11 @@ Terms (seconds), each traced to measurements on the H200 (results/notes/README.m
   read and a write of their logits;
 - the grad_weight filter (``geometry.grad_weight_filter``): the grad_weight GEMM and its
   read-modify-write shrink to the kept share ``1 - skipped_share`` of the tiles (a caller's guess:
-  the share depends on the logits, 0 by default): when more than ``DENSE_LOOP_MIN_KEPT`` of the tiles
-  are kept, the whole GEMM at ``filtered_gemm_efficiency`` of the dense rate (the kernel's dense loop,
-  which multiplies the skipped tiles' zeros), else the kept share of it at ``listed_gemm_efficiency``
-  (its listed loop; the kernel decides per 128 classes, the model for the whole call); plus one write
-  and read of the per-row flags;
+  the share depends on the logits, 0 by default): the kept share of the GEMM at
+  ``filtered_gemm_efficiency`` of the dense rate, plus ``filter_fixed_share`` of it paid whatever is
+  kept (listing the kept tiles, writing every block of grad_weight), plus one write and read of the
+  per-row flags. These are the TMA launch's (Hopper and later); the pointer-based launches that run
+  where TMA cannot are slower, not modelled apart;
 - vocab parallel (``problem.tp_size > 1``, the problem being one rank's shard): the collectives of
   :func:`flce_policy.plan.collectives.comm_plan`, each paying ``collective_latency_s`` plus a ring
   all-reduce's ``2 (n - 1) / n`` of its bytes at ``link_bytes_per_s``. These two rates are
@@ -38,7 +38,7 @@ from flce_policy.plan.accumulator import accumulator_layout
 from flce_policy.plan.collectives import comm_plan
 from flce_policy.plan.device import DeviceInfo
 from flce_policy.plan.geometry import Geometry
-from flce_policy.plan.weight_filter import DENSE_LOOP_MIN_KEPT, FILTER_COLS
+from flce_policy.plan.weight_filter import FILTER_COLS
 
 __all__ = [
     "DeviceRates",
@@ -61,12 +61,11 @@ class DeviceRates(NamedTuple):
     fp32_rmw_efficiency: float = 0.8  # cuBLAS bf16 x bf16 -> fp32 accumulate, beta=1
     link_bytes_per_s: float = 3.0e11  # all-reduce bus bandwidth between the TP ranks (assumed, NVLink class)
     collective_latency_s: float = 2.5e-5  # one small all-reduce (assumed)
-    # The filtered grad_weight kernel against cuBLAS's rate: its dense loop (nothing skipped) and its listed
-    # loop per kept tile. MEASURED on the H200 at 16384x1024x131072 (results/2026-12-01-h200-trained-filter/
-    # run2-hybrid-kernel, x floor of one run): 0.92 on random logits (0% skipped: +0.55 ms over the dense
-    # call), 0.50 on the trained model's logits (82% skipped: -4.2 ms, the flags included).
-    filtered_gemm_efficiency: float = 0.92
-    listed_gemm_efficiency: float = 0.5
+    # The filtered grad_weight kernel against cuBLAS's addmm, per kept tile and fixed. MEASURED on the H200 at one
+    # 8192x1024x131072 chunk (results/notes/2026-12-01-h200-filter-probe-4.log): 1.100x addmm's time with every
+    # tile kept, 0.248x with 17.9% kept: time = 0.062 + 1.038 x kept.
+    filtered_gemm_efficiency: float = 0.963
+    filter_fixed_share: float = 0.062
 
 
 #: H200: CALIBRATED by :func:`fit_rates` on the fixed-chunk rows and floors of
@@ -132,12 +131,7 @@ def predict_seconds(
     terms = {
         "gemm": (gemms - 1 if filtered else gemms) * one_gemm,
         # the filtered grad_weight GEMM, and its flags: one byte per row and 128 classes, written and read
-        # (the dense loop multiplies the skipped tiles' zeros too: its time does not shrink with them)
-        "grad_weight_filtered": (
-            one_gemm / rates.filtered_gemm_efficiency
-            if kept > DENSE_LOOP_MIN_KEPT
-            else kept * one_gemm / rates.listed_gemm_efficiency
-        )
+        "grad_weight_filtered": one_gemm * (rates.filter_fixed_share + kept / rates.filtered_gemm_efficiency)
         + 2 * p.tokens * p.vocab / FILTER_COLS / hbm
         if filtered
         else 0.0,
