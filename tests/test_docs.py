@@ -7,7 +7,7 @@ allowed, no pipes or redirections; a block's commands run one after the other in
 through the installed ``flce-policy`` entry point (one process per block, not per command: CI's
 time is short), from a working directory holding the file's ``file`` blocks. The processes are
 forked from one that has imported torch, flce_policy and transformers already, with the blocks'
-environment (tests/_docs_child.py: a start-up per test process, not per block); each starts from
+environment (tests/_warm_start.py: a start-up per test process, not per block); each starts from
 a fresh ``__main__`` namespace, its own environment and the ``sys.path`` of ``python script.py``.
 A failure names the Markdown file and the line of the block or command (python tracebacks point
 into the Markdown file itself). Keep blocks tiny: the whole file runs in about half a minute on 2
@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import _docs_child
+import _warm_start
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -216,7 +216,7 @@ def run_python(unit: Unit, workdir: Path) -> None:
     logs = [workdir / f"_docs_process{i}.log" for i in range(len(environments))]
     argv = ["_docs_driver.py", "_docs_chain.json"]
     processes = [
-        _docs_child.start(DRIVER, argv, str(workdir), env, str(log))
+        _warm_start.run_script(DRIVER, argv, str(workdir), env, str(log))
         for env, log in zip(environments, logs, strict=True)
     ]
     _wait(unit, processes)
@@ -272,7 +272,7 @@ def run_shell(unit: Unit, workdir: Path) -> None:
     commands = [(f"{file}:{number}", env, args) for number, env, args in shell_commands(block)]
     (workdir / "_docs_commands.json").write_text(json.dumps(commands))
     log = workdir / "_docs_cli.log"
-    process = _docs_child.start(
+    process = _warm_start.run_script(
         CLI_DRIVER, ["_docs_cli.py", "_docs_commands.json"], str(workdir), _environment(), str(log)
     )
     _wait(unit, [process])

@@ -11,10 +11,10 @@ import functools
 import json
 import os
 import socket
-import subprocess
-import sys
+import time
 from pathlib import Path
 
+import _warm_start
 import pytest
 import torch
 
@@ -41,27 +41,23 @@ def _results(tmp: str) -> list[dict]:
     port = _free_port()
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     paths = [Path(tmp) / f"rank{r}.json" for r in range(WORLD)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(r), str(WORLD), str(port), str(paths[r])],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+    logs = [Path(tmp) / f"rank{r}.log" for r in range(WORLD)]
+    script = WORKER.read_text()
+    procs = [  # as ``python tests/_fsdp2_worker.py ...``, forked from a process that imported torch already
+        _warm_start.run_script(
+            script, [str(WORKER), str(r), str(WORLD), str(port), str(paths[r])], tmp, env, str(logs[r])
         )
         for r in range(WORLD)
     ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    deadline = time.monotonic() + TIMEOUT_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
     for r, p in enumerate(procs):
-        assert p.returncode == 0 and paths[r].exists(), f"rank {r} exited {p.returncode}:\n{logs[r][-4000:]}"
+        assert p.exitcode == 0 and paths[r].exists(), f"rank {r} exited {p.exitcode}:\n{logs[r].read_text()[-4000:]}"
     return [json.loads(path.read_text()) for path in paths]
 
 

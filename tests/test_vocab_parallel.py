@@ -9,7 +9,6 @@ compares the whole loss, the whole input gradient and its own shard's weight and
 from __future__ import annotations
 
 import json
-import os
 import socket
 import time
 import traceback
@@ -17,10 +16,10 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
+import _warm_start
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from test_loss_kernel import FP32_TOL, assert_close, make_inputs, reference
 from test_token_scaling_autocast import scaled_reference
 
@@ -429,8 +428,7 @@ def _results(world: int, tmp_path_factory) -> list[dict[str, str | None]]:
     """Run every check once on a group of ``world`` processes; each rank's outcome per check."""
     if world not in _RESULTS:
         out_dir = tmp_path_factory.mktemp(f"vocab_parallel_{world}")
-        context = mp.get_context("spawn")
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+        context = _warm_start.context()  # spawn's usage, forked from a process that imported torch already
         port = _free_port()
         procs = [context.Process(target=_worker, args=(r, world, port, str(out_dir))) for r in range(world)]
         for proc in procs:
