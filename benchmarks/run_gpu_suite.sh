@@ -10,7 +10,7 @@
 # with DeepSpeed's wheels in .whl/ds/ — see docs/fsdp-zero3.md; trained: train the small Llama of
 # benchmarks/trained_inputs.py, report its logits, then bench issue 26's methods on its held-out inputs, all in
 # $OUT/trained — one call, since the cache it builds lives on the machine only, and the same rows on
-# random logits; convergence: the model trained with grad_weight_filter off, off again and on,
+# random logits; convergence: the model trained with grad_weight_filter off and on, alternating, CONVERGENCE_RUNS_PER_ARM (2) each,
 # CONVERGENCE_STEPS steps each)
 # Expects wheels in .whl/ (ours, built with `python -m build --wheel -o .whl`, plus the peers
 # liger-kernel and cut-cross-entropy); installs them into /tmp/site and runs from outside the
@@ -69,8 +69,8 @@ while [ $# -gt 0 ]; do
       done
       shift ;;
     convergence)
-      # three trainings of the trained-inputs model from one seed: filter off, off again, on (2^-12)
-      python3 -m flce_policy.benchmarks.convergence --out "$out/convergence" ${CONVERGENCE_STEPS:+--steps "$CONVERGENCE_STEPS"} \
+      # trainings of the trained-inputs model from one seed, filter off and on (2^-12) alternating, 2 of each by default
+      python3 -m flce_policy.benchmarks.convergence --out "$out/convergence" ${CONVERGENCE_STEPS:+--steps "$CONVERGENCE_STEPS"} ${CONVERGENCE_RUNS_PER_ARM:+--runs-per-arm "$CONVERGENCE_RUNS_PER_ARM"} \
         2>&1 | tee "$out/convergence.log" || status=1
       shift ;;
     quick)
