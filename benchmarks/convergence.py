@@ -131,12 +131,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--max-train-seconds", type=float, default=None, help="stop a run that takes longer")
     args = parser.parse_args(argv)
+    if args.runs_per_arm < 2:
+        parser.error(f"--runs-per-arm must be at least 2, got {args.runs_per_arm}")
     if default_device().type != "cuda":
         print("error: the convergence runs need a CUDA GPU", file=sys.stderr)
         return 2
     config = TrainedConfig(**({"steps": args.steps} if args.steps else {}))
-    if args.runs_per_arm < 2:
-        parser.error(f"--runs-per-arm must be at least 2, got {args.runs_per_arm}")
     result = run_all(config, args.filter, runs_per_arm=args.runs_per_arm, max_seconds=args.max_train_seconds)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
