@@ -59,32 +59,40 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
     option.loadscopereorder = False  # files in collection order (LONGEST_FIRST), not by their number of tests
 
 
-#: The files that take the most CPU time (seconds of one process, measured alone: about 75 down to 20),
-#: longest first. A bare run hands files to the 2 workers in collection order, so these are collected
-#: first and the short files fill in at the end: both workers finish together (xdist's own order, by
-#: number of tests, left few-test files such as test_fsdp2.py or test_vocab_tiled.py for the last
-#: minute). A file not listed runs after them, in its usual order.
+#: The files that take the most CPU time (seconds of one process and its children, measured alone: about
+#: 90 down to 5), longest first, but for the four that fork their processes from tests/_warm_start.py's
+#: server (docs, vocab_parallel, fsdp2, examples): they follow the first two, so that the worker that
+#: gets the docs (xdist hands out two files each at the start) takes the other three as it frees up
+#: while the other works through the sweep and test_compile.py, and one fork server (5 s of imports)
+#: serves all four. A bare run hands files to the 2 workers in collection order, so these are
+#: collected first and the short files fill in at the end: both workers finish together (xdist's own
+#: order, by number of tests, left few-test files such as test_fsdp2.py or test_vocab_tiled.py for the
+#: last minute). A file not listed runs after them, in its usual order.
 LONGEST_FIRST = (
     "test_hf_sweep.py",
-    "test_compile.py",
     "test_docs.py",
+    "test_compile.py",
+    "test_vocab_parallel.py",
+    "test_fsdp2.py",
+    "test_examples.py",
+    "test_hf_integration.py",
     "test_vocab_tiled.py",
     "test_loss_kernel.py",
-    "test_vocab_parallel.py",
-    "test_token_scaling_autocast.py",
-    "test_fsdp2.py",
-    "test_hf_integration.py",
-    "test_entropy.py",
-    "test_bench.py",
-    "test_softcap_rounding.py",
-    "test_trl_integration.py",
     "test_weight_grad_filter_paths.py",
+    "test_entropy.py",
+    "test_softcap_rounding.py",
+    "test_bench.py",
     "test_weight_grad_filter.py",
-    "test_bad_inputs_loss.py",
+    "test_token_scaling_autocast.py",
+    "test_trl_integration.py",
     "test_driver_geometry.py",
+    "test_planned_accum.py",
     "test_weight_grad_filter_policy.py",
+    "test_bad_inputs_loss.py",
+    "test_oom_fallback.py",
     "test_convergence_bench.py",
-    "test_examples.py",
+    "test_packaging.py",
+    "test_trained_inputs.py",
 )
 
 
