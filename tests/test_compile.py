@@ -347,7 +347,7 @@ def _op_args(t, reduction, predicted, compute_dtype, wants, ignore_index=-100):
     return (t["x"], t["w"], t.get("b"), t["y"], None, config)
 
 
-@pytest.mark.parametrize("bt", [5, 0])
+@pytest.mark.parametrize("bt", [3, 0])  # a few rows (one not ignored), and none
 def test_fake_shapes_match_the_real_op_for_every_combination(bt):
     inputs = make_inputs(bt=bt, h=8, v=17, bias=True, n_ignored=min(bt, 2))
     op = torch.ops.flce_policy.fused_linear_cross_entropy
