@@ -9,10 +9,14 @@ them), the entropy sum; and the target logit ``z_y`` where the tile holds the ta
 kernel (:func:`.ce_kernel.ce_finish` with ``workspace.scaled_exp_tile``) merges the slots into ``lse``
 and forms ``p = E * exp(m_tile - lse)``: no partial pass, so two passes over the slab instead of three.
 
-Why: a bf16 logit carries ``|z| 2^-9`` of rounding into ``p = exp(z - lse)`` (logit std 4: ~0.8% per
-entry, the dense path's gradient error); the stored exponential carries ``2^-9`` relative whatever
-``z``. The loss, ``lse`` and ``z_y`` are fp32. The softcap is not fused here (its gradient needs
-``tanh`` per element): such calls run on the logits slab (:mod:`flce_policy.plan.scaled_exp`).
+Why: a bf16 logit carries ``|z| 2^-9`` of rounding into ``p = exp(z - lse)`` (logit std 4: the dense
+path's gradient error, 0.0076 relative); the stored exponential carries ``2^-9`` relative whatever
+``z``. What is left is the bf16 rounding of the gradient the finish kernel writes for cuBLAS (0.0035 of
+grad_input alone at logit std 4) and of the GEMMs' outputs (0.0017): 0.0043 / 0.0045 measured under the
+interpreter at 512x1024x32768 against 0.0076 / 0.0077 for the logits slab
+(results/notes/2026-12-02-cpu-scaled-exp-numerics.log). The loss, ``lse`` and ``z_y`` are fp32. The softcap
+is not fused here (its gradient needs ``tanh`` per element): such calls run on the logits slab
+(:mod:`flce_policy.plan.scaled_exp`).
 """
 
 from __future__ import annotations

@@ -221,3 +221,17 @@ def test_memory_model_counts_the_partials():
     logits = predict_peak(Geometry.for_problem(problem, 8192)).total_bytes
     scaled = predict_peak(Geometry.for_problem(problem, 8192, slab_form="scaled_exp")).total_bytes
     assert scaled - logits == 8192 * 512 * (6 * 4 + 4)
+
+
+def test_bench_policy_wraps_every_rule():
+    """The bench row's policy: the packaged policy's chunks on every GPU, on the scaled-exp slab where it runs."""
+    from flce_policy.benchmarks.methods import scaled_exp_policy
+
+    packaged = FLCEPolicy.packaged()
+    wrapped = scaled_exp_policy(packaged)
+    problem = Problem(16384, 1024, 131072, "bfloat16")
+    for family, form in (("H200", "scaled_exp"), ("H100", "scaled_exp"), ("A100", "logits")):
+        device = DeviceInfo.synthetic(family)
+        want = packaged.resolve(problem, device)
+        got = wrapped.resolve(problem, device)
+        assert (got.chunk_size, got.vocab_chunk, got.slab_form) == (want.chunk_size, want.vocab_chunk, form), family
