@@ -27,7 +27,16 @@ __all__ = ["AccuracyRecord", "method_errors", "run_accuracy", "skipped_share", "
 
 ACCURACY_SHAPE = (4096, 1024, 32768)
 #: The rows worth an accuracy figure by default: ours at its default, the peers at theirs.
-DEFAULT_METHODS = ("ours_default_bf16", "ours_default_fp32", "liger_c16_bf16", "liger_c1_bf16", "quack", "cce", "eager")
+DEFAULT_METHODS = (
+    "ours_default_bf16",
+    "ours_default_fp32",
+    "ours_scaled_exp_bf16",
+    "liger_c16_bf16",
+    "liger_c1_bf16",
+    "quack",
+    "cce",
+    "eager",
+)
 
 
 @dataclass

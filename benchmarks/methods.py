@@ -234,6 +234,20 @@ def _vocab_tiled_for_inputs(vocab_chunk: int, inputs: Inputs) -> Geometry:
     return _vocab_tiled_plan(vocab_chunk, problem, DeviceInfo.cpu())
 
 
+def scaled_exp_policy(policy: Any) -> Any:
+    """``policy`` with every rule's strategy (and the default's) wrapped in ``scaled_exp``."""
+    from flce_policy import FLCEPolicy
+    from flce_policy.engine.config import RULE_KEYS
+
+    rule_only = set(RULE_KEYS) - {"strategy"}  # the rest of an entry is its strategy's
+    config = policy.to_dict()
+    for entry in (config["default"], *config["devices"]):
+        inner = {key: entry.pop(key) for key in list(entry) if key not in rule_only}
+        entry["strategy"] = "scaled_exp"
+        entry["inner"] = inner
+    return FLCEPolicy.from_dict(config, source=f"{policy.source}, each strategy on the scaled-exp slab")
+
+
 def default_methods(
     chunk_sizes: tuple[int, ...] = (256, 512, 1024, 2048, 4096),
     *,
@@ -321,6 +335,11 @@ def default_methods(
             options={"max_peak": "liger_c16"},
             plan=within_liger.geometry,
         )
+    )
+    # The scaled-exp slab (issue 25) at the default policy's chunks (each rule's strategy wrapped)
+    scaled_exp = scaled_exp_policy(policy)
+    methods.append(
+        Method("ours_scaled_exp_bf16", "ours scaled-exp", ours(lambda _inputs: scaled_exp), plan=scaled_exp.resolve)
     )
     # grad_weight_filter (issue 26): the default policy, grad_weight skipping the tiles below 2^-12 / 2^-16
     for exponent in FILTER_EXPONENTS:

@@ -35,7 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
+from flce_policy.plan.scaled_exp import SCALED_EXP_TILE, scaled_exp_slots
+
 from .interpreter import KERNELS_INTERPRETED  # re-exported: where the tests have always imported it from
+from .rounding import rounded
 from .row_partials import CEWorkspace
 from .weight_grad_filter import finish_kernel_args, store_flags
 
@@ -55,19 +58,28 @@ WIDE_BLOCK_WARPS = 8
 _PARTIALS = 6  # m, d, sum_wz, sum_w, best, z_y (planes 0-5); plane 6, sum(exp(z - m) * z), with entropy=True
 
 
-def ce_workspace(rows: int, tile_cols: int, device: torch.device, *, entropy: bool = False) -> CEWorkspace:
+def ce_workspace(
+    rows: int, tile_cols: int, device: torch.device, *, entropy: bool = False, scaled_exp: bool = False
+) -> CEWorkspace:
     """Segment plan and scratch for chunks of up to ``rows`` rows, in tiles of up to ``tile_cols`` columns.
 
-    ``entropy`` adds the plane of the entropy partial sums.
+    ``entropy`` adds the plane of the entropy partial sums. ``scaled_exp``: for a slab of
+    :func:`flce_policy.kernels.scaled_exp.scaled_exp_logits` (one slot per column tile of its GEMM, one
+    finish program per row: each merges the row's slots once).
     """
     block_v = min(triton.next_power_of_2(tile_cols), MAX_BLOCK_V)
     blocks = triton.cdiv(tile_cols, block_v)
+    planes = _PARTIALS + 1 if entropy else _PARTIALS
+    if scaled_exp:
+        slots = scaled_exp_slots(tile_cols)
+        partials = torch.empty((planes, rows, slots), dtype=torch.float32, device=device)
+        best_index = torch.empty((rows, slots), dtype=torch.int32, device=device)
+        return CEWorkspace(block_v, 1, blocks * block_v, slots, partials, best_index, SCALED_EXP_TILE)
     # Each segment keeps >= 2 blocks so its loop still pipelines loads.
     wanted = triton.next_power_of_2(triton.cdiv(TARGET_PROGRAMS, rows))
     segments = max(1, min(wanted, 1 << ((blocks // 2).bit_length() - 1) if blocks >= 2 else 1))
     segment_len = triton.cdiv(blocks, segments) * block_v
     slots = triton.next_power_of_2(segments)
-    planes = _PARTIALS + 1 if entropy else _PARTIALS
     # No fill (four launches per call): the finish kernel reads the padding slots as neutral.
     partials = torch.empty((planes, rows, slots), dtype=torch.float32, device=device)
     best_index = torch.empty((rows, slots), dtype=torch.int32, device=device)
@@ -85,18 +97,6 @@ def _tanh(x):
 
 
 @triton.jit
-def _rounded(value, dtype: tl.constexpr):
-    """fp32 ``value`` rounded to ``dtype`` (to nearest, ties to even) and back to fp32."""
-    if dtype == tl.bfloat16:
-        # By hand: the Triton interpreter truncates fp32 -> bf16 casts (the GPU rounds to nearest even).
-        bits = value.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return value.to(dtype).to(tl.float32)
-
-
-@triton.jit
 def _softcap_zt(x, softcap, dtype: tl.constexpr, ROUND_SOFTCAP: tl.constexpr):
     """``(z, t)``: ``z = softcap * t``, ``t = tanh(x / softcap)``, for fp32 ``x``.
 
@@ -106,8 +106,8 @@ def _softcap_zt(x, softcap, dtype: tl.constexpr, ROUND_SOFTCAP: tl.constexpr):
     backward of those ops the same way (CUDA's ``tanh_backward`` also rounds inside ``1 - t * t``).
     """
     if ROUND_SOFTCAP:
-        t = _rounded(_tanh(_rounded(x * (1.0 / softcap), dtype)), dtype)
-        z = _rounded(t * softcap, dtype)
+        t = rounded(_tanh(rounded(x * (1.0 / softcap), dtype)), dtype)
+        z = rounded(t * softcap, dtype)
     else:
         t = _tanh(x / softcap)
         z = softcap * t
@@ -269,6 +269,7 @@ def _ce_finish_kernel(
     FILTER: tl.constexpr = False,
     FLAG_GROUPS: tl.constexpr = 1,
     FLAG_COLS: tl.constexpr = 128,
+    SCALED_EXP_TILE: tl.constexpr = 0,
 ):
     # Walk the programs in the reverse of the partial kernel's order: the segments it read last
     # are the ones still in L2, so the second read of the slab starts with cache hits.
@@ -356,20 +357,32 @@ def _ce_finish_kernel(
             if HAS_Z_LOSS:
                 coef_p += scale_z * 2.0 * z_loss_scale * lse
             coef_y = scale_ce * (1.0 - label_smoothing) * w_y
+            if SCALED_EXP_TILE:
+                tl.static_assert(not HAS_SOFTCAP, "the scaled-exp slab is not softcapped")
+                filter_eps = tl.exp(filter_log_eps)
             for start in range(col_start, col_stop, BLOCK_V):
                 offs = start + cols
                 mask = offs < col_stop
-                z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                if HAS_SOFTCAP:
-                    z, t = _softcap_zt(z, softcap, row_ptr.dtype.element_ty, ROUND_SOFTCAP)
-                grad = coef_p * tl.exp(z - lse)
+                if SCALED_EXP_TILE:
+                    # the slab holds exp(z - m) of each column tile: p = that * exp(m - lse)
+                    m_tile = tl.load(partials_ptr + row * NUM_SLOTS + offs // SCALED_EXP_TILE, mask=mask, other=0.0)
+                    p = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.exp(m_tile - lse)
+                else:
+                    z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                    if HAS_SOFTCAP:
+                        z, t = _softcap_zt(z, softcap, row_ptr.dtype.element_ty, ROUND_SOFTCAP)
+                    p = tl.exp(z - lse)
+                grad = coef_p * p
                 grad = tl.where(offs == local_target, grad - coef_y, grad)
                 if FILTER:
                     # The skip rule reads the per-token |p_c - [c == y]|, before every scale of the row (the
                     # reduction's, grad_output, class weight, token scaling, z-loss, smoothing, softcap's
                     # chain rule); the target's column always counts. Off the target |p_c - 0| >= eps is
                     # z_c - lse >= log(eps): a compare, not a second exp per element.
-                    keep = ((z - lse >= filter_log_eps) | (offs == local_target)) & mask
+                    if SCALED_EXP_TILE:
+                        keep = ((p >= filter_eps) | (offs == local_target)) & mask
+                    else:
+                        keep = ((z - lse >= filter_log_eps) | (offs == local_target)) & mask
                     store_flags(
                         flags_ptr + row * flag_row_stride, keep, start, col_stop, BLOCK_V, FLAG_GROUPS, FLAG_COLS
                     )
@@ -386,11 +399,11 @@ def _ce_finish_kernel(
                         # rounded t, times 1/softcap
                         dtype = row_ptr.dtype.element_ty
                         if TANH_GRAD_PER_OP:  # CUDA's tanh_backward: a * (1 - b * b) in the dtype, op by op
-                            dtanh = _rounded(1.0 - _rounded(t * t, dtype), dtype)
+                            dtanh = rounded(1.0 - rounded(t * t, dtype), dtype)
                         else:  # the CPU's: in fp32
                             dtanh = 1.0 - t * t
-                        grad = _rounded(_rounded(_rounded(grad, dtype) * softcap, dtype) * dtanh, dtype)
-                        grad = _rounded(grad * (1.0 / softcap), dtype)
+                        grad = rounded(rounded(rounded(grad, dtype) * softcap, dtype) * dtanh, dtype)
+                        grad = rounded(grad * (1.0 / softcap), dtype)
                     else:
                         grad = grad * (1.0 - t * t)
                 tl.store(row_ptr + offs, grad.to(row_ptr.dtype.element_ty), mask=mask)
@@ -516,7 +529,9 @@ def ce_finish(
         label_smoothing,
         softcap if softcap is not None else 1.0,
         z_loss_scale,
-        ws.segments_per_tile,
+        # the live slots: the segments', or the scaled-exp GEMM's column tiles
+        triton.cdiv(n_cols, ws.scaled_exp_tile) if ws.scaled_exp_tile else ws.segments_per_tile,
+        SCALED_EXP_TILE=ws.scaled_exp_tile,
         HAS_Z_LOSS=z_loss_rows is not None,
         WRITE_LOSS=write_loss,
         WRITE_GRAD=write_grad,
@@ -576,7 +591,10 @@ def ce_rows(
     col_offset = 0 if shard is None else shard.start
     track_argmax = argmax_rows is not None
     entropy = entropy_rows is not None
-    ce_partial(logits, target, workspace, col_offset=col_offset, track_argmax=track_argmax, entropy=entropy, **shared)
+    if not workspace.scaled_exp_tile:  # else the logits GEMM wrote the partials (flce_policy.kernels.scaled_exp)
+        ce_partial(
+            logits, target, workspace, col_offset=col_offset, track_argmax=track_argmax, entropy=entropy, **shared
+        )
     if shard is not None:
         shard.merge(workspace, target, ignore_index, track_argmax)
     ce_finish(

@@ -1,9 +1,10 @@
 """The chunk driver: runs one validated Geometry over the BT rows, exactly as given.
 
-Per chunk: logits = x_c @ W.T (+ b) into the reused slab; the CE kernel turns the slab into
-dL/dlogits in place; then grad_input_c = G @ W, grad_weight += G.T @ x_c, grad_bias += sum(G)
-(with ``params.grad_weight_filter`` the last two over G's flagged tiles only:
-:mod:`flce_policy.kernels.weight_grad_filter`).
+Per chunk: logits = x_c @ W.T (+ b) into the reused slab (or, with ``geometry.slab_form == "scaled_exp"``,
+exp(z - m) per column tile and the CE partials from a Triton GEMM: :mod:`flce_policy.kernels.scaled_exp`);
+the CE kernel turns the slab into dL/dlogits in place; then grad_input_c = G @ W,
+grad_weight += G.T @ x_c, grad_bias += sum(G) (with ``params.grad_weight_filter`` the last two over G's
+flagged tiles only: :mod:`flce_policy.kernels.weight_grad_filter`).
 The driver decides nothing about the geometry: it is handed one and runs it.
 """
 
@@ -28,6 +29,7 @@ from .driver_call import (
     observe_chunks,
 )
 from .gemm import accumulate_mm
+from .scaled_exp import scaled_exp_logits
 from .vocab_tiled import run_vocab_tiled
 from .weight_grad_filter import filter_scratch_for, filtered_weight_grad
 
@@ -95,7 +97,10 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
     loss_rows, z_loss_rows, argmax_rows, grad_input, grad_weight, grad_bias, entropy_rows = outputs
     tokens, chunk_size = x.shape[0], geometry.chunk_size
     slab = torch.empty((chunk_size, geometry.vocab_chunk), dtype=x.dtype, device=x.device)
-    workspace = ce_workspace(chunk_size, geometry.vocab_chunk, x.device, entropy=entropy_rows is not None)
+    scaled_exp = geometry.slab_form == "scaled_exp"  # the logits GEMM's epilogue fills the partials
+    workspace = ce_workspace(
+        chunk_size, geometry.vocab_chunk, x.device, entropy=entropy_rows is not None, scaled_exp=scaled_exp
+    )
     weight_t = weight.t()
     scratch = filter_scratch_for(call, chunk_size, geometry.vocab_chunk)  # None: the dense GEMMs
     for index in range(geometry.num_chunks):
@@ -104,7 +109,20 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
         start = index * chunk_size
         stop = min(start + chunk_size, tokens)
         x_chunk, logits = x[start:stop], slab[: stop - start]
-        if bias is None:
+        if scaled_exp:
+            scaled_exp_logits(
+                x_chunk,
+                weight,
+                bias,
+                logits,
+                target[start:stop],
+                workspace,
+                class_weight=class_weight,
+                label_smoothing=params.label_smoothing,
+                track_argmax=argmax_rows is not None,
+                entropy=entropy_rows is not None,
+            )
+        elif bias is None:
             torch.mm(x_chunk, weight_t, out=logits)
         else:
             torch.addmm(bias, x_chunk, weight_t, out=logits)

@@ -19,6 +19,9 @@ class CEWorkspace(NamedTuple):
     block_v: int
     segments_per_tile: int
     segment_len: int  # columns per segment, a multiple of block_v
-    slots: int  # partial slots per row: segments_per_tile padded to a power of two (tiles merge into them)
+    slots: int  # partial slots per row: segments_per_tile (or scaled-exp column tiles) padded to a power of two
     partials: torch.Tensor  # [planes (ce_kernel._PARTIALS, +1 with entropy), rows, slots] fp32; z_y at slot 0 only
     best_index: torch.Tensor  # [rows, slots] int32
+    #: 0: the slab holds logits, a partial pass fills the slots. Else the slab holds exp(z - m) per column tile of
+    #: this width, one slot per tile, filled by the logits GEMM (flce_policy.kernels.scaled_exp).
+    scaled_exp_tile: int = 0

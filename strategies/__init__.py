@@ -10,6 +10,7 @@ from .fixed_chunk_size import FixedChunkSize
 from .free_memory import FreeMemory, NotEnoughFreeMemoryError
 from .heuristic_c import HeuristicC
 from .registry import BUILTIN_STRATEGIES, strategy_class, strategy_from_config
+from .scaled_exp import ScaledExp
 from .slab_budget import SlabBudget
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "FreeMemory",
     "NotEnoughFreeMemoryError",
     "Fastest",
+    "ScaledExp",
     "BUILTIN_STRATEGIES",
     "strategy_class",
     "strategy_from_config",

@@ -19,6 +19,7 @@ from flce_policy.strategies import (
     FixedChunkSize,
     FreeMemory,
     HeuristicC,
+    ScaledExp,
     SlabBudget,
     StrategyError,
     strategy_class,
@@ -230,6 +231,7 @@ def test_builtins_are_registered_by_short_name():
         "slab_budget": SlabBudget,
         "free_memory": FreeMemory,
         "fastest": Fastest,
+        "scaled_exp": ScaledExp,
     }
     assert strategy_class("slab_budget") is SlabBudget
 
@@ -242,7 +244,7 @@ def test_equality_compares_type_and_params():
 
 
 def test_unknown_strategy_name_lists_the_builtins():
-    with pytest.raises(StrategyError, match="fixed_chunk_size, free_memory, heuristic_c, slab_budget"):
+    with pytest.raises(StrategyError, match="fixed_chunk_size, free_memory, heuristic_c, scaled_exp, slab_budget"):
         strategy_from_config({"strategy": "heuristic"})
 
 

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from flce_policy.call.options import LossOptions
+from flce_policy.call.resolve import geometry_for_call
 from flce_policy.call.targets import TargetCheck
 from flce_policy.kernels.driver import CEParams, DriverOutputs, GradRequest
 from flce_policy.kernels.loss_total import loss_totals
@@ -254,6 +255,7 @@ def forward_pass(
     if geometry is None:  # empty input: no rows, nothing to run
         out = _empty_outputs(x, weight, bias, in_forward, params)
     else:
+        geometry = geometry_for_call(geometry, params.softcap, x.device)
         out, geometry = run_with_oom_fallback(
             x,
             weight,

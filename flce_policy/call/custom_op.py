@@ -78,7 +78,7 @@ _LIB.define(
 #: The call's scalars in ``config``'s order: the policy (a key, or a Geometry's rows, vocab chunk and
 #: accumulator), the loss options, the compute dtype, the gradients wanted.
 _FIELDS = (
-    "policy_key", "rows", "vocab_chunk", "accum",
+    "policy_key", "rows", "vocab_chunk", "accum", "slab_form",
     "reduction", "ignore_index", "label_smoothing", "softcap", "softcap_rounding", "z_loss_scale",
     "token_accuracy", "predicted_tokens", "token_scaling", "accum_dtype", "entropy", "grad_weight_filter",
     "compute_dtype", "want_input", "want_weight", "want_bias",
@@ -102,7 +102,7 @@ def _config_text(*values: Any) -> str:
 class _Config:
     """A decoded ``config``: what every call with that text shares."""
 
-    policy: tuple[int, int, int, str]  # policy_key, rows, vocab_chunk, accum
+    policy: tuple[int, int, int, str, str]  # policy_key, rows, vocab_chunk, accum, slab_form
     options: LossOptions
     compute_dtype: torch.dtype | None
     wants: tuple[bool, bool, bool]  # input, weight, bias
@@ -148,7 +148,7 @@ def _decode(config: str) -> _Config:
         grad_weight_filter=values["grad_weight_filter"],
     )
     return _Config(
-        policy=(values["policy_key"], values["rows"], values["vocab_chunk"], values["accum"]),
+        policy=(values["policy_key"], values["rows"], values["vocab_chunk"], values["accum"], values["slab_form"]),
         options=options,
         compute_dtype=values["compute_dtype"],
         wants=(values["want_input"], values["want_weight"], values["want_bias"]),
@@ -159,21 +159,28 @@ def _decode(config: str) -> _Config:
 
 
 def _geometry_now(
-    x: torch.Tensor, weight: torch.Tensor, logits_dtype: torch.dtype, key: int, rows: int, vocab_chunk: int, accum: str
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    logits_dtype: torch.dtype,
+    key: int,
+    rows: int,
+    vocab_chunk: int,
+    accum: str,
+    slab_form: str,
 ) -> tuple[Geometry | None, Any]:
     """The geometry for these tensors, resolved at run time, and its OOM fallback."""
     if x.shape[0] == 0:
         return None, None
     if rows:  # a Geometry was given: rebuilt for the actual problem (the wrapper checked it matches)
         problem = call_problem(x.shape[0], x.shape[1], weight.shape[0], logits_dtype, 1)
-        return _given_geometry(problem, rows, vocab_chunk, accum), DEFAULT_OOM_FALLBACK
+        return _given_geometry(problem, rows, vocab_chunk, accum, slab_form), DEFAULT_OOM_FALLBACK
     return geometry_for(live_policy(key), x, weight, logits_dtype)
 
 
 @functools.lru_cache(maxsize=256)
-def _given_geometry(problem: Problem, rows: int, vocab_chunk: int, accum: str) -> Geometry:
+def _given_geometry(problem: Problem, rows: int, vocab_chunk: int, accum: str, slab_form: str) -> Geometry:
     """A given Geometry's chunks for ``problem``, validated once per problem rather than on every call."""
-    return Geometry.for_problem(problem, rows, vocab_chunk=vocab_chunk, accum_dtype=accum or None)
+    return Geometry.for_problem(problem, rows, vocab_chunk=vocab_chunk, accum_dtype=accum or None, slab_form=slab_form)
 
 
 def _plan(
@@ -383,11 +390,12 @@ def compiled_loss(
     """``FLCEFunction.apply``'s results through the op: ``(loss, z_loss, accuracy, predicted, entropy)``."""
     from flce_policy.engine.policy import FLCEPolicy
 
-    rows, vocab_chunk, accum = 0, 0, ""
+    rows, vocab_chunk, accum, slab_form = 0, 0, "", "logits"
     grad_weight_filter = options.grad_weight_filter
     if isinstance(policy, Geometry):
         policy.check_tensors(x, weight, compute_dtype)
         rows, vocab_chunk, accum = policy.chunk_size, policy.vocab_chunk, policy.accum_dtype or ""
+        slab_form = policy.slab_form
         key = DEFAULT_POLICY_KEY
         if grad_weight_filter is None:  # the given Geometry's filter; an FLCEPolicy's is followed inside the op
             grad_weight_filter = policy.grad_weight_filter
@@ -402,7 +410,7 @@ def compiled_loss(
         grad_enabled and bias is not None and bias.requires_grad,
     )
     config = _config_text(
-        key, rows, vocab_chunk, accum,
+        key, rows, vocab_chunk, accum, slab_form,
         options.reduction, options.ignore_index, float(options.label_smoothing),
         None if options.softcap is None else float(options.softcap), options.softcap_rounding,
         float(options.z_loss_scale), options.return_token_accuracy, options.return_predicted_tokens,

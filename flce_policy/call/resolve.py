@@ -3,7 +3,8 @@
 The eager front door (:mod:`flce_policy.loss`), the compiled op (:mod:`flce_policy.call.custom_op`) and the
 vocab-parallel path (:mod:`flce_policy.distributed.vocab_parallel`) all check their tensors with
 :func:`check_tensors` and turn the policy into a Geometry with :func:`geometry_for`, so the three
-answer a call alike. Nothing here runs per chunk.
+answer a call alike; :func:`geometry_for_call` then takes the slab form the call's options and device can
+run (the autograd forward, for every path). Nothing here runs per chunk.
 """
 
 from __future__ import annotations
@@ -17,15 +18,17 @@ import torch
 from flce_policy.engine import probe
 from flce_policy.engine.policy import CONFIG_ENV_VAR, FLCEPolicy
 from flce_policy.engine.strategy_cache import strategy_geometry
+from flce_policy.kernels import KERNELS_INTERPRETED
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.oom import DEFAULT_OOM_FALLBACK
 from flce_policy.plan.problem import Problem
+from flce_policy.plan.scaled_exp import call_routing
 from flce_policy.strategies import ChunkStrategy
 
 if TYPE_CHECKING:
     from flce_policy.plan.oom import OOMFallback
 
-__all__ = ["check_tensors", "geometry_for", "call_problem"]
+__all__ = ["check_tensors", "geometry_for", "geometry_for_call", "call_problem"]
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -50,6 +53,26 @@ def geometry_for(
     if isinstance(policy, FLCEPolicy):
         return policy.resolve(problem, device), policy.oom_fallback_for(problem, device)
     raise TypeError(f"policy must be an FLCEPolicy, a Geometry, a ChunkStrategy or None; got {type(policy).__name__}")
+
+
+def geometry_for_call(geometry: Geometry, softcap: float | None, device: torch.device) -> Geometry:
+    """``geometry``, or its copy on the logits slab where it asks for the scaled-exp slab and the call
+    (:func:`flce_policy.plan.scaled_exp.call_routing`) or the device (TMA: Hopper or later) cannot run it."""
+    if geometry.slab_form != "scaled_exp" or (call_routing(softcap) is None and _has_tma(device)):
+        return geometry
+    return _on_logits_slab(geometry)
+
+
+@functools.lru_cache(maxsize=256)
+def _on_logits_slab(geometry: Geometry) -> Geometry:
+    return geometry.with_slab_form("logits")
+
+
+@functools.lru_cache(maxsize=16)
+def _has_tma(device: torch.device) -> bool:
+    if KERNELS_INTERPRETED:
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @functools.lru_cache(maxsize=1024)

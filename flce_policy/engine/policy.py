@@ -21,6 +21,7 @@ from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.memory import gathered_head_bytes, predict_peak
 from flce_policy.plan.oom import DEFAULT_MIN_CHUNK_SIZE, OOMFallback
 from flce_policy.plan.problem import Problem
+from flce_policy.plan.scaled_exp import SCALED_EXP_TILE
 from flce_policy.plan.units import format_bytes, parse_bytes
 from flce_policy.plan.weight_filter import FILTER_COLS, FILTER_ROWS, checked_filter_eps
 from flce_policy.strategies import ChunkStrategy, HeuristicC, checked_geometry
@@ -383,6 +384,7 @@ class FLCEPolicy:
             "oom_fallback": self.oom_fallback,
             "min_chunk_size": self.min_chunk_size,
             "grad_weight_filter": geometry.grad_weight_filter,
+            "slab_form": geometry.slab_form,
             **_filter_times(geometry, rates),
             **tp,
         }
@@ -419,7 +421,11 @@ class FLCEPolicy:
                 if d["num_vocab_chunks"] > 1
                 else []
             ),
-            ("Slab", f"{d['slab']} per chunk = {d['chunk_size']} x {d['vocab_chunk']} x {problem.itemsize} bytes"),
+            (
+                "Slab",
+                f"{d['slab']} per chunk = {d['chunk_size']} x {d['vocab_chunk']} x {problem.itemsize} bytes"
+                + _slab_form_note(d["slab_form"]),
+            ),
             ("Peak", f"{d['predicted_peak']}, predicted for fwd+bwd with x and W needing grad{accum}"),
             (
                 "Sharded W",
@@ -499,6 +505,16 @@ def _filter_times(geometry: Geometry, rates: Any) -> dict[str, Any]:
             for share in shares
         }
     }
+
+
+def _slab_form_note(slab_form: str) -> str:
+    if slab_form == "logits":
+        return ", holding the logits (cuBLAS GEMM)"
+    return (
+        f", holding exp(z - m) per {SCALED_EXP_TILE} columns from a Triton GEMM's epilogue (scaled-exp: no "
+        "partial pass, no bf16 rounding of the logits); calls with a softcap, and GPUs before Hopper, run the "
+        "logits slab"
+    )
 
 
 def _filter_note(d: dict[str, Any]) -> str:

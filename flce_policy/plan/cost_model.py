@@ -19,6 +19,8 @@ Terms (seconds), each traced to measurements on the H200 (results/notes/README.m
   kept (listing the kept tiles, writing every block of grad_weight), plus one write and read of the
   per-row flags. These are the TMA launch's (Hopper and later); the pointer-based launches that run
   where TMA cannot are slower, not modelled apart;
+- the scaled-exp slab (``geometry.slab_form``): its logits GEMM at ``scaled_exp_gemm_efficiency`` of
+  cuBLAS's rate, and the CE kernels one read and one write of the slab (its partials come from the GEMM);
 - vocab parallel (``problem.tp_size > 1``, the problem being one rank's shard): the collectives of
   :func:`flce_policy.plan.collectives.comm_plan`, each paying ``collective_latency_s`` plus a ring
   all-reduce's ``2 (n - 1) / n`` of its bytes at ``link_bytes_per_s``. These two rates are
@@ -66,6 +68,10 @@ class DeviceRates(NamedTuple):
     # tile kept, 0.248x with 17.9% kept: time = 0.062 + 1.038 x kept.
     filtered_gemm_efficiency: float = 0.963
     filter_fixed_share: float = 0.062
+    # The scaled-exp slab's logits GEMM (a Triton GEMM with the exp epilogue) against cuBLAS's. MEASURED on the
+    # H200 alone, at four small-head chunks: 1.080-1.227x cuBLAS's time (results/2026-12-01-small-heads/
+    # h200-persistent-tma.log); not yet in a whole call.
+    scaled_exp_gemm_efficiency: float = 0.86
 
 
 #: H200: CALIBRATED by :func:`fit_rates` on the fixed-chunk rows and floors of
@@ -128,8 +134,11 @@ def predict_seconds(
     one_gemm = 2.0 * p.tokens * p.hidden * p.vocab / rates.matmul_flops
     filtered = geometry.grad_weight_filter is not None
     kept = 1.0 - skipped_share if filtered else 1.0
+    scaled_exp = geometry.slab_form == "scaled_exp"
     terms = {
         "gemm": (gemms - 1 if filtered else gemms) * one_gemm,
+        # the scaled-exp slab's logits GEMM (its epilogue) over cuBLAS's
+        "scaled_exp_epilogue": one_gemm * (1.0 / rates.scaled_exp_gemm_efficiency - 1.0) if scaled_exp else 0.0,
         # the filtered grad_weight GEMM, and its flags: one byte per row and 128 classes, written and read
         "grad_weight_filtered": one_gemm * (rates.filter_fixed_share + kept / rates.filtered_gemm_efficiency)
         + 2 * p.tokens * p.vocab / FILTER_COLS / hbm
@@ -140,7 +149,8 @@ def predict_seconds(
         "grad_input_acc": (geometry.num_vocab_chunks - 1) * 2 * p.tokens * p.hidden * 4 / hbm
         if not geometry.is_row_only
         else 0.0,
-        "ce": 3 * p.tokens * p.vocab * item / (hbm * rates.ce_efficiency),
+        # two reads and a write of the slab; the scaled-exp slab's partials come from the GEMM: a read and a write
+        "ce": (2 if scaled_exp else 3) * p.tokens * p.vocab * item / (hbm * rates.ce_efficiency),
         "late_tiles": recomputed_columns
         * p.tokens
         * (2.0 * p.hidden / rates.matmul_flops + 2 * item / (hbm * rates.ce_efficiency)),

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from flce_policy.plan.problem import DTYPE_ITEMSIZE, LogitsDType, Problem, checked_dtype, normalise_dtype
+from flce_policy.plan.scaled_exp import scaled_exp_unsupported
 from flce_policy.plan.units import cdiv, format_bytes
 from flce_policy.plan.weight_filter import checked_filter_eps
 
@@ -39,6 +48,11 @@ class Geometry(BaseModel):
         default=None,
         description="eps of the grad_weight filter a policy rule set (flce_policy.plan.weight_filter); None = dense",
     )
+    slab_form: Literal["logits", "scaled_exp"] = Field(
+        default="logits",
+        description="what the slab holds: the logits, or exp(z - m) per column tile from the logits GEMM's "
+        "epilogue (flce_policy.plan.scaled_exp)",
+    )
     strategy: str = Field(default="manual", description="the strategy (with its parameters) that produced it")
     rule: str | None = Field(default=None, description="the policy rule that chose the strategy, if any")
 
@@ -53,6 +67,7 @@ class Geometry(BaseModel):
         strategy: str = "manual",
         rule: str | None = None,
         grad_weight_filter: float | None = None,
+        slab_form: str = "logits",
     ) -> Geometry:
         """The geometry of ``chunk_size`` rows (and ``vocab_chunk`` columns, default all of V)."""
         vocab_chunk = problem.vocab if vocab_chunk is None else vocab_chunk
@@ -67,6 +82,7 @@ class Geometry(BaseModel):
             slab_bytes=chunk_size * vocab_chunk * problem.itemsize,
             accum_dtype=accum_dtype,
             grad_weight_filter=grad_weight_filter,
+            slab_form=slab_form,
             strategy=strategy,
             rule=rule,
         )
@@ -98,7 +114,19 @@ class Geometry(BaseModel):
                     f"{field}={got} is inconsistent with chunk_size={self.chunk_size}, "
                     f"vocab_chunk={self.vocab_chunk} for {p.describe()}: expected {want}"
                 )
+        if self.slab_form == "scaled_exp":
+            why_not = scaled_exp_unsupported(p, self.vocab_chunk)
+            if why_not is not None:
+                raise ValueError(f"slab_form='scaled_exp' cannot run {p.describe()}: {why_not}")
         return self
+
+    @model_serializer(mode="wrap")
+    def _omit_default_slab_form(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # a logits-slab geometry dumps as it always did (explain --json, benchmark records)
+        data = handler(self)
+        if data.get("slab_form") == "logits":
+            del data["slab_form"]
+        return data
 
     @property
     def is_row_only(self) -> bool:
@@ -143,6 +171,12 @@ class Geometry(BaseModel):
             return self
         return self.model_copy(update={"grad_weight_filter": checked_filter_eps(grad_weight_filter)})
 
+    def with_slab_form(self, slab_form: str) -> Geometry:
+        """A copy whose slab holds ``slab_form`` ("logits" or "scaled_exp"); ValueError where it cannot run."""
+        if slab_form == self.slab_form:
+            return self
+        return Geometry.model_validate({**self.model_dump(), "problem": self.problem, "slab_form": slab_form})
+
     def with_origin(self, *, strategy: str | None = None, rule: str | None = None) -> Geometry:
         """A copy whose provenance fields are replaced (the shape is unchanged)."""
         updates: dict[str, Any] = {}
@@ -168,6 +202,8 @@ class Geometry(BaseModel):
         accum = "" if self.accum_dtype is None else f", grad_weight accumulated in {self.accum_dtype}"
         if self.grad_weight_filter is not None:
             accum += f", grad_weight filter eps={self.grad_weight_filter:g}"
+        if self.slab_form != "logits":
+            accum += f", {self.slab_form.replace('_', '-')} slab"
         return (
             f"{self.num_chunks} chunks of {self.chunk_size} rows{tiles}, "
             f"slab {format_bytes(self.slab_bytes)}{accum} ({self.strategy})"

@@ -12,6 +12,7 @@ from typing import NamedTuple
 from flce_policy.plan.accumulator import accumulator_layout, narrow_step_rows
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.problem import DTYPE_ITEMSIZE, Problem, checked_dtype
+from flce_policy.plan.scaled_exp import scaled_exp_scratch_bytes
 from flce_policy.plan.units import format_bytes
 
 __all__ = ["MemoryEstimate", "predict_peak", "held_beside_slab", "gathered_head_bytes"]
@@ -51,7 +52,8 @@ def predict_peak(
     Two phases: the chunk loop holds the slab; after it, an accumulator of another dtype is cast
     to the weight dtype, so both copies live at once, but the slab is already freed. The peak
     is the larger phase, and ``terms`` are that phase's. Kernel scratch (row partials, a few
-    bytes per row and tile) is left out: well under 1% of any slab.
+    bytes per row and tile) is left out: well under 1% of any slab; the scaled-exp slab's partials, a slot
+    per 256 columns, are counted.
     """
     p = geometry.problem
     master_dtype = None if master_dtype is None else checked_dtype(master_dtype, "master_dtype")
@@ -64,6 +66,9 @@ def predict_peak(
         "input_copy": p.tokens * p.hidden * p.itemsize if _differs(input_dtype, p) else 0,
     }
     loop = {"slab": geometry.slab_bytes, **held, **copies}
+    if geometry.slab_form == "scaled_exp":
+        # its row partials are a slot per column tile, not a few per row: 5% of a bf16 slab
+        loop["scaled_exp_partials"] = scaled_exp_scratch_bytes(geometry.chunk_size, geometry.vocab_chunk)
     layout = accumulator_layout(geometry, input_grad=input_grad, weight_grad=weight_grad)
     if layout.separate:
         # vocab tiles add into grad_input across the tiles; the rows of the fp32 accumulator

@@ -1,0 +1,65 @@
+"""The scaled-exp slab: which problems and calls it can run, and its scratch, in one place.
+
+A geometry with ``slab_form="scaled_exp"`` runs its logits GEMM as a Triton GEMM whose epilogue stores
+``exp(z - m_tile)`` (per row and :data:`SCALED_EXP_TILE` columns) and the CE partials, not the logits
+(:mod:`flce_policy.kernels.scaled_exp`): two passes over the slab instead of three, and gradients that do
+not carry the logits' bf16 rounding. It runs row-only geometries of 16-bit logits on one rank, through
+TMA (rows of 16 bytes); a call asking for what the epilogue does not compute (a softcap) runs the logits
+slab, which :func:`call_routing` says.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .problem import Problem
+from .units import cdiv
+
+__all__ = [
+    "SCALED_EXP_TILE",
+    "SLAB_FORMS",
+    "call_routing",
+    "scaled_exp_scratch_bytes",
+    "scaled_exp_slots",
+    "scaled_exp_unsupported",
+]
+
+#: Columns per partial slot: the GEMM's column tile (its fastest on the H200 with this epilogue,
+#: results/2026-12-01-small-heads/h200-persistent-tma.log).
+SCALED_EXP_TILE = 256
+#: What a slab can hold: the logits (cuBLAS GEMM, a partial pass) or the scaled exponentials.
+SLAB_FORMS = ("logits", "scaled_exp")
+#: fp32 partial planes per slot (m, d, the smoothing sums, the argmax value, z_y) and the argmax index (int32).
+_PLANES, _INDEX_BYTES = 6, 4
+
+
+def scaled_exp_unsupported(problem: Problem, vocab_chunk: int) -> str | None:
+    """None where a geometry of ``problem`` in vocab tiles of ``vocab_chunk`` can run the scaled-exp slab,
+    else why not."""
+    if vocab_chunk != problem.vocab:
+        return f"vocab tiles of {vocab_chunk} (the scaled-exp slab is row-only)"
+    if problem.tp_size > 1:
+        return "a vocab-parallel shard (its partials merge across ranks from the partial pass)"
+    if problem.dtype not in ("bfloat16", "float16"):
+        return f"{problem.dtype} logits (the scaled-exp slab is 16-bit)"
+    if problem.hidden % 8 or problem.vocab % 8:
+        return f"H={problem.hidden}, V={problem.vocab} (TMA loads rows of a multiple of 16 bytes: 8 elements)"
+    return None
+
+
+def call_routing(softcap: Any) -> str | None:
+    """None where a call's options run on the scaled-exp slab, else why the call runs the logits slab."""
+    if softcap is not None:
+        return "softcap (its gradient needs tanh of each logit, which the scaled-exp slab does not keep)"
+    return None
+
+
+def scaled_exp_slots(vocab: int) -> int:
+    """Partial slots per row: one per column tile, padded to a power of two (the finish kernel loads them at once)."""
+    return 1 << (cdiv(vocab, SCALED_EXP_TILE) - 1).bit_length()
+
+
+def scaled_exp_scratch_bytes(chunk_size: int, vocab: int) -> int:
+    """Bytes of the row partials a scaled-exp chunk keeps beside its slab (5.5% of a bf16 slab at
+    V = 131072). The entropy's plane adds 4 bytes per slot more."""
+    return chunk_size * scaled_exp_slots(vocab) * (_PLANES * 4 + _INDEX_BYTES)

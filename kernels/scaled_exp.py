@@ -1,0 +1,188 @@
+"""The logits GEMM with a scaled-exp epilogue: the slab holds ``exp(z - m_tile)``, not the logits.
+
+One persistent Triton GEMM, ``x_chunk @ W.T (+ bias)`` with TMA loads, whose epilogue takes each
+``[BLOCK_M, BLOCK_N]`` tile's row maxima ``m`` (over the tile's columns), stores ``exp(z - m)`` in the
+slab's dtype and writes the tile's partials into the CE workspace (:mod:`.row_partials`), one slot per
+column tile, as the CE partial pass would per segment: ``m``, ``d = sum(exp(z - m))``, and as asked the
+label-smoothing sums, the argmax (over the logits rounded to the slab's dtype, as eager's argmax sees
+them), the entropy sum; and the target logit ``z_y`` where the tile holds the target. The CE finish
+kernel (:func:`.ce_kernel.ce_finish` with ``workspace.scaled_exp_tile``) merges the slots into ``lse``
+and forms ``p = E * exp(m_tile - lse)``: no partial pass, so two passes over the slab instead of three.
+
+Why: a bf16 logit carries ``|z| 2^-9`` of rounding into ``p = exp(z - lse)`` (logit std 4: the dense
+path's gradient error, 0.0076 relative); the stored exponential carries ``2^-9`` relative whatever
+``z``. What is left is the bf16 rounding of the gradient the finish kernel writes for cuBLAS (0.0035 of
+grad_input alone at logit std 4) and of the GEMMs' outputs (0.0017): 0.0043 / 0.0045 measured under the
+interpreter at 512x1024x32768 against 0.0076 / 0.0077 for the logits slab
+(results/notes/2026-12-02-cpu-scaled-exp-numerics.log). The loss, ``lse`` and ``z_y`` are fp32. The softcap
+is not fused here (its gradient needs ``tanh`` per element): such calls run on the logits slab
+(:mod:`flce_policy.plan.scaled_exp`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from flce_policy.plan.scaled_exp import SCALED_EXP_TILE
+
+from .interpreter import KERNELS_INTERPRETED
+from .rounding import rounded
+from .row_partials import CEWorkspace
+
+try:  # Triton >= 3.4
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - depends on the Triton installed
+    TensorDescriptor = None
+
+__all__ = ["scaled_exp_logits"]
+
+#: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages): the fastest with this epilogue of a sweep at the small
+#: heads' chunks on the H200 (results/2026-12-01-small-heads/h200-persistent-tma.log); BLOCK_N is the plan's tile.
+_LAUNCH = (128, SCALED_EXP_TILE, 64, 8, 8, 3)
+#: Programs of the persistent grid under the interpreter (the GPU runs one per SM).
+_INTERPRETED_PROGRAMS = 4
+
+
+@functools.cache
+def _programs(device: torch.device) -> int:
+    if KERNELS_INTERPRETED:
+        return _INTERPRETED_PROGRAMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@triton.jit
+def _scaled_exp_gemm_kernel(
+    x_desc,
+    w_desc,
+    out_desc,
+    bias_ptr,
+    target_ptr,
+    class_weight_ptr,
+    partials_ptr,
+    best_index_ptr,
+    plane,
+    n_rows,
+    n_cols,
+    hidden,
+    HAS_BIAS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    TRACK_ARGMAX: tl.constexpr,
+    ENTROPY: tl.constexpr,
+    IEEE: tl.constexpr,
+    NUM_SLOTS: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    tiles_m = tl.cdiv(n_rows, BLOCK_M)
+    tiles_n = tl.cdiv(n_cols, BLOCK_N)
+    in_group = GROUP_M * tiles_n
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, NUM_PROGRAMS, flatten=True):
+        # GROUP_M row tiles walk the columns together: W's tiles are read from L2 by the group
+        group_first = tile // in_group * GROUP_M
+        group_size = min(tiles_m - group_first, GROUP_M)
+        pid_m = group_first + (tile % in_group) % group_size
+        pid_n = (tile % in_group) // group_size
+        row0 = pid_m * BLOCK_M
+        col0 = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(hidden, BLOCK_K)):
+            a = x_desc.load([row0, k * BLOCK_K])
+            b = w_desc.load([col0, k * BLOCK_K])
+            if IEEE:  # the interpreter's low-precision dot is wrong; fp32 products are exact there
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32).T, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b.T, acc)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = col0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < n_cols
+        row_ok = rows < n_rows
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        z = tl.where(col_ok[None, :], acc, -float("inf"))
+        m = tl.max(z, axis=1)
+        e = tl.exp(z - m[:, None])
+        if IEEE:  # the interpreter truncates a cast to bf16: round to nearest first, as the GPU's cast does
+            e = rounded(e, out_desc.dtype)
+        out_desc.store([row0, col0], e.to(out_desc.dtype))
+        slot = rows.to(tl.int64) * NUM_SLOTS + pid_n
+        tl.store(partials_ptr + slot, m, mask=row_ok)
+        tl.store(partials_ptr + plane + slot, tl.sum(e, axis=1), mask=row_ok)
+        z_or_0 = tl.where(col_ok[None, :], acc, 0.0)
+        if HAS_SMOOTHING:
+            if HAS_WEIGHT:
+                w = tl.load(class_weight_ptr + cols, mask=col_ok, other=0.0)
+                tl.store(partials_ptr + 2 * plane + slot, tl.sum(z_or_0 * w[None, :], axis=1), mask=row_ok)
+                tl.store(partials_ptr + 3 * plane + slot, tl.zeros_like(m) + tl.sum(w, axis=0), mask=row_ok)
+            else:
+                tl.store(partials_ptr + 2 * plane + slot, tl.sum(z_or_0, axis=1), mask=row_ok)
+                tl.store(partials_ptr + 3 * plane + slot, tl.zeros_like(m), mask=row_ok)
+        if TRACK_ARGMAX:
+            as_logits = tl.where(col_ok[None, :], rounded(acc, out_desc.dtype), -float("inf"))
+            tl.store(partials_ptr + 4 * plane + slot, tl.max(as_logits, axis=1), mask=row_ok)
+            tl.store(best_index_ptr + slot, col0 + tl.argmax(as_logits, axis=1), mask=row_ok)
+        if ENTROPY:
+            tl.store(partials_ptr + 6 * plane + slot, tl.sum(e * z_or_0, axis=1), mask=row_ok)
+        # the target logit, in fp32, from the tile holding it (an ignored row's target lies outside every tile)
+        target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
+        holds = row_ok & (target >= col0) & (target < col0 + BLOCK_N)
+        z_y = tl.sum(tl.where(cols[None, :] == target[:, None], z_or_0, 0.0), axis=1)
+        tl.store(partials_ptr + 5 * plane + rows.to(tl.int64) * NUM_SLOTS, z_y, mask=holds)
+
+
+def scaled_exp_logits(
+    x_chunk: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    slab: torch.Tensor,
+    target: torch.Tensor,
+    workspace: CEWorkspace,
+    *,
+    class_weight: torch.Tensor | None = None,
+    label_smoothing: float = 0.0,
+    track_argmax: bool = False,
+    entropy: bool = False,
+) -> None:
+    """``slab [n, V] = exp(z - m_tile)`` for ``z = x_chunk @ weight.T (+ bias)``, and the rows' partials in
+    ``workspace`` (made by :func:`.ce_kernel.ce_workspace` with ``scaled_exp=True``). Nothing is checked
+    here: a geometry has this slab form only where :mod:`flce_policy.plan.scaled_exp` says it can run."""
+    n_rows, hidden = x_chunk.shape
+    n_cols = weight.shape[0]
+    block_m, block_n, block_k, group_m, num_warps, num_stages = _LAUNCH
+    ws = workspace
+    programs = min(_programs(slab.device), triton.cdiv(n_rows, block_m) * triton.cdiv(n_cols, block_n))
+    _scaled_exp_gemm_kernel[(programs,)](
+        TensorDescriptor.from_tensor(x_chunk, [block_m, block_k]),
+        TensorDescriptor.from_tensor(weight, [block_n, block_k]),
+        TensorDescriptor.from_tensor(slab, [block_m, block_n]),
+        bias,
+        target,
+        class_weight,
+        ws.partials,
+        ws.best_index,
+        ws.partials.stride(0),
+        n_rows,
+        n_cols,
+        hidden,
+        HAS_BIAS=bias is not None,
+        HAS_WEIGHT=class_weight is not None,
+        HAS_SMOOTHING=label_smoothing > 0.0,
+        TRACK_ARGMAX=track_argmax,
+        ENTROPY=entropy,
+        IEEE=KERNELS_INTERPRETED,
+        NUM_SLOTS=ws.slots,
+        NUM_PROGRAMS=programs,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        GROUP_M=group_m,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )

@@ -1,0 +1,68 @@
+"""The scaled-exp slab on CUDA at the accuracy shape: its errors against fp32, beside the logits slab's.
+
+Run with the GPU suite (``bash benchmarks/run_gpu_suite.sh tests``); skipped without CUDA or before Hopper
+(TMA). With ``FLCE_GPU_REPORT`` set, the errors are appended there as a JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from gpu_reference import chunked_fp32_reference, make_inputs, rel_l2
+
+from flce_policy import fused_linear_cross_entropy
+from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.problem import Problem
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="needs a Hopper GPU"
+    ),
+]
+
+BT, H, V, CHUNK = 4096, 1024, 32768, 2048
+
+
+def _call(x, w, y, slab_form, **options):
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    policy = Geometry.for_problem(Problem(BT, H, V, "bfloat16"), CHUNK, slab_form=slab_form)
+    out = fused_linear_cross_entropy(xl, wl, y, policy=policy, **options)
+    loss = out if isinstance(out, torch.Tensor) else out.loss
+    loss.backward()
+    return loss.detach(), xl.grad, wl.grad, out
+
+
+def test_errors_against_fp32_beside_the_logits_slab():
+    x, w, y = make_inputs(BT, H, V, torch.bfloat16)
+    ref_loss, ref_gx, ref_gw = chunked_fp32_reference(x, w, y)
+    errors = {}
+    for form in ("logits", "scaled_exp"):
+        loss, gx, gw, _ = _call(x, w, y, form)
+        errors[form] = {
+            "loss": abs(loss.item() - ref_loss.item()),
+            "grad_input": rel_l2(gx, ref_gx),
+            "grad_weight": rel_l2(gw, ref_gw),
+        }
+    report = os.environ.get("FLCE_GPU_REPORT")
+    if report:
+        with open(report, "a") as f:
+            f.write(json.dumps({"test": "scaled_exp_accuracy", "shape": [BT, H, V], **errors}) + "\n")
+    print(json.dumps(errors))
+    for name in ("grad_input", "grad_weight"):
+        assert errors["scaled_exp"][name] < errors["logits"][name], name
+    assert errors["scaled_exp"]["loss"] <= errors["logits"]["loss"] + 1e-4
+
+
+def test_extras_and_predicted_tokens_match_the_logits_slab():
+    x, w, y = make_inputs(BT, H, V, torch.bfloat16, seed=1)
+    options = dict(return_predicted_tokens=True, return_entropy=True, return_z_loss=True, z_loss_scale=1e-4)
+    logits = _call(x, w, y, "logits", **options)[3]
+    scaled = _call(x, w, y, "scaled_exp", **options)[3]
+    # the argmax of the same bf16-rounded logits (the GEMMs may round a near-tie apart: allow a few)
+    assert (scaled.predicted_tokens != logits.predicted_tokens).sum().item() <= BT // 1000
+    torch.testing.assert_close(scaled.entropy, logits.entropy, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(scaled.z_loss, logits.z_loss, rtol=2e-2, atol=1e-4)

@@ -1,0 +1,237 @@
+"""The scaled-exp slab (``Geometry.slab_form="scaled_exp"``) against fp64 torch, and where it is not used.
+
+The kernels run under the interpreter on CPU. Logits of std 4 as in the benchmarks: there the logits
+slab's bf16 rounding (``|z| 2^-9`` into every ``p``) dominates the dense path's gradient error, which the
+scaled-exp slab avoids; the gradients it stores are still bf16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_loss_kernel import DEVICE
+
+from flce_policy import FLCEPolicy, fused_linear_cross_entropy
+from flce_policy.kernels.driver import inject_oom
+from flce_policy.plan.device import DeviceInfo
+from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.memory import predict_peak
+from flce_policy.plan.oom import OOMFallbackWarning
+from flce_policy.plan.problem import Problem
+from flce_policy.strategies import HeuristicC, ScaledExp, StrategyError, strategy_from_config
+
+pytestmark = pytest.mark.skipif(
+    DEVICE == "cuda" and not torch.cuda.is_available(),
+    reason="the kernels were compiled (TRITON_INTERPRET unset) and there is no CUDA GPU",
+)
+
+BT, H, V, CHUNK = 150, 64, 600, 64  # 3 row chunks (the last 22 rows), 3 column tiles of 256 (the last 88)
+#: bf16 gradients (relative L2) and loss (relative) against fp64
+GRAD_TOL, LOSS_TOL = 1.2e-2, 2e-3
+
+
+def inputs(seed: int = 0, *, bias: bool = False, n_ignored: int = 6) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    t = {
+        "x": torch.randn(BT, H, generator=g),
+        "w": torch.randn(V, H, generator=g) * (4.0 / H**0.5),  # logit std 4
+        "y": torch.randint(0, V, (BT,), generator=g),
+        "cw": torch.rand(V, generator=g) + 0.5,
+    }
+    t["y"][torch.randperm(BT, generator=g)[:n_ignored]] = -100
+    if bias:
+        t["b"] = torch.randn(V, generator=g)
+    return {k: (v.to(torch.bfloat16) if k in ("x", "w", "b") else v).to(DEVICE) for k, v in t.items()}
+
+
+def geometry(slab_form: str, chunk: int = CHUNK) -> Geometry:
+    return Geometry.for_problem(Problem(BT, H, V, "bfloat16"), chunk, slab_form=slab_form)
+
+
+def run(t, policy, grad_output=None, *, class_weight=False, **options):
+    """The call's loss, extras and gradients (x, w, b)."""
+    leaves = {k: t[k].clone().requires_grad_() for k in ("x", "w", "b") if k in t}
+    out = fused_linear_cross_entropy(
+        leaves["x"], leaves["w"], t["y"], leaves.get("b"), class_weight=t["cw"] if class_weight else None,
+        policy=policy, **options,
+    )  # fmt: skip
+    loss = out if isinstance(out, torch.Tensor) else out.loss
+    loss.backward(grad_output)
+    extras = () if isinstance(out, torch.Tensor) else tuple(e for e in out[1:] if e is not None)
+    return loss.detach(), extras, {k: v.grad for k, v in leaves.items()}
+
+
+def reference(t, grad_output=None, *, reduction="mean", label_smoothing=0.0, z_loss_scale=0.0, class_weight=False,
+              token_scaling=False):  # fmt: skip
+    """fp64 torch: the loss and the gradients of x, w (and b)."""
+    leaves = {k: t[k].double().requires_grad_() for k in ("x", "w", "b") if k in t}
+    z = F.linear(leaves["x"], leaves["w"], leaves.get("b"))
+    y, valid = t["y"], t["y"] != -100
+    cw = t["cw"].double() if class_weight else None
+    rows = F.cross_entropy(z, y, weight=cw, reduction="none", label_smoothing=label_smoothing)
+    rows = rows + torch.where(valid, z_loss_scale * torch.logsumexp(z, -1) ** 2, 0.0)
+    if token_scaling:
+        rows = rows * z.detach().softmax(-1).gather(1, y.clamp_min(0)[:, None]).squeeze(1)
+    if reduction == "none":
+        loss = (rows * grad_output.double()).sum()
+    elif reduction == "sum":
+        loss = rows.sum()
+    else:
+        loss = rows.sum() / valid.sum()
+    loss.backward()
+    return loss.detach(), {k: v.grad for k, v in leaves.items()}
+
+
+def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.double() - expected).norm() / expected.norm()).item()
+
+
+CASES = {
+    "mean, bias": (dict(bias=True), dict(), dict()),
+    "sum, smoothing, class weights, z-loss": (
+        dict(),
+        dict(reduction="sum", label_smoothing=0.1, z_loss_scale=1e-3),
+        dict(class_weight=True),
+    ),
+    "none, token scaling": (dict(), dict(reduction="none", use_token_scaling=True), dict()),
+    "fp32 accumulation": (dict(), dict(accum_dtype=torch.float32), dict()),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_options_against_fp64(case):
+    input_kw, options, call_kw = CASES[case]
+    t = inputs(seed=1, **input_kw)
+    grad_output = torch.rand(BT, generator=torch.Generator().manual_seed(2)) if "none" in case else None
+    got_loss, _, got = run(t, geometry("scaled_exp"), grad_output, **options, **call_kw)
+    ref_options = {k: v for k, v in options.items() if k not in ("accum_dtype", "use_token_scaling")}
+    want_loss, want = reference(
+        t, grad_output, token_scaling=options.get("use_token_scaling", False), **ref_options, **call_kw
+    )
+    if "none" in case:
+        got_loss = (got_loss.double() * grad_output.double()).sum()
+    assert abs(got_loss.double().item() - want_loss.item()) <= LOSS_TOL * abs(want_loss.item())
+    for name, grad in got.items():
+        assert rel_l2(grad, want[name]) < GRAD_TOL, name
+
+
+def test_more_accurate_than_the_logits_slab():
+    """The point of the path: at logit std 4 its gradients are clearly closer to fp64 than the logits slab's."""
+    t = inputs(seed=3)
+    _, want = reference(t)
+    scaled = run(t, geometry("scaled_exp"))[2]
+    logits = run(t, geometry("logits"))[2]
+    for name in ("x", "w"):
+        assert rel_l2(scaled[name], want[name]) < 0.8 * rel_l2(logits[name], want[name]), name
+
+
+def test_extras_against_torch():
+    """Accuracy and predicted tokens as eager's argmax over the bf16 logits; entropy against fp64."""
+    t = inputs(seed=4)
+    _, extras, _ = run(
+        t, geometry("scaled_exp"), return_token_accuracy=True, return_predicted_tokens=True, return_entropy=True
+    )
+    accuracy, predicted, entropy = extras[-3:]
+    valid = t["y"] != -100
+    eager_argmax = F.linear(t["x"].float(), t["w"].float()).to(torch.bfloat16).argmax(-1)
+    assert torch.equal(predicted[valid], eager_argmax[valid]) and torch.all(predicted[~valid] == -1)
+    assert accuracy.item() == pytest.approx((eager_argmax == t["y"])[valid].double().mean().item())
+    z = F.linear(t["x"].double(), t["w"].double())
+    want_entropy = torch.where(valid, -(z.softmax(-1) * z.log_softmax(-1)).sum(-1), 0.0)
+    torch.testing.assert_close(entropy.double(), want_entropy, rtol=2e-3, atol=1e-4)
+
+
+def test_grad_weight_filter_leaves_grad_input_alone():
+    t = inputs(seed=5)
+    dense = run(t, geometry("scaled_exp"))
+    filtered = run(t, geometry("scaled_exp"), grad_weight_filter=2.0**-6)
+    assert torch.equal(filtered[0], dense[0]) and torch.equal(filtered[2]["x"], dense[2]["x"])
+    assert not torch.equal(filtered[2]["w"], dense[2]["w"])  # tiles below 2^-6 were skipped
+
+
+def test_softcap_call_runs_the_logits_slab():
+    t = inputs(seed=6)
+    asked = run(t, geometry("scaled_exp"), softcap=10.0)
+    logits = run(t, geometry("logits"), softcap=10.0)
+    assert torch.equal(asked[0], logits[0])
+    for name in ("x", "w"):
+        assert torch.equal(asked[2][name], logits[2][name])
+
+
+def test_oom_fallback_keeps_the_slab_form():
+    t = inputs(seed=7)
+    with inject_oom(above_rows=64), pytest.warns(OOMFallbackWarning):
+        retried = run(t, geometry("scaled_exp", chunk=128))
+    direct = run(t, geometry("scaled_exp", chunk=64))
+    assert torch.equal(retried[0], direct[0])
+    for name in ("x", "w"):
+        assert torch.equal(retried[2][name], direct[2][name])
+
+
+@pytest.mark.parametrize(
+    ("problem", "vocab_chunk", "why"),
+    [
+        (Problem(BT, H, V, "float32"), None, "float32 logits"),
+        (Problem(BT, 60, V, "bfloat16"), None, "H=60"),
+        (Problem(BT, H, V, "bfloat16"), 256, "vocab tiles of 256"),
+        (Problem(BT, H, V, "bfloat16", tp_size=2), None, "vocab-parallel shard"),
+    ],
+)
+def test_geometry_refuses_what_the_slab_cannot_run(problem, vocab_chunk, why):
+    with pytest.raises(ValueError, match=f"slab_form='scaled_exp' cannot run .*{why}"):
+        Geometry.for_problem(problem, 64, vocab_chunk=vocab_chunk, slab_form="scaled_exp")
+    with pytest.raises(ValueError, match="slab_form"):
+        Geometry.for_problem(Problem(BT, H, V), 64, slab_form="exp")
+
+
+def test_strategy_picks_the_slab_where_it_runs():
+    strategy = strategy_from_config({"strategy": "scaled_exp", "inner": {"strategy": "heuristic_c", "c": 16}})
+    assert strategy == ScaledExp(HeuristicC(16)) and strategy.to_config()["inner"] == {
+        "strategy": "heuristic_c",
+        "c": 16,
+    }
+    bf16 = Problem(16384, 1024, 131072, "bfloat16")
+    inner = HeuristicC(16).geometry(bf16, DeviceInfo.synthetic("H200"))
+    on_h200 = strategy.geometry(bf16, DeviceInfo.synthetic("H200"))
+    assert on_h200.slab_form == "scaled_exp" and on_h200.chunk_size == inner.chunk_size
+    assert strategy.geometry(bf16, DeviceInfo.synthetic("A100")).slab_form == "logits"  # no TMA before Hopper
+    fp32 = Problem(16384, 1024, 131072, "float32")
+    assert strategy.geometry(fp32, DeviceInfo.synthetic("H200")).slab_form == "logits"
+
+
+def test_strategy_errors_name_the_inner_parameter():
+    with pytest.raises(StrategyError, match="inner.c"):
+        strategy_from_config(
+            {"strategy": "scaled_exp", "inner": {"strategy": "heuristic_c", "c": -1}}
+        ).validate_params()
+    with pytest.raises(StrategyError, match="inner must decide"):
+        ScaledExp({"strategy": "free_memory"}).validate_params()
+
+
+def test_policy_explains_the_slab():
+    policy = FLCEPolicy(default=ScaledExp({"strategy": "fixed_chunk_size", "chunk_size": 4096}))
+    text = policy.explain(Problem(16384, 1024, 131072, "bfloat16"), DeviceInfo.synthetic("H200"))
+    assert "exp(z - m) per 256 columns" in text and "softcap" in text
+
+
+def test_memory_model_counts_the_partials():
+    """A slot per row and 256 columns (512 at V = 131072), padded to a power of two: six fp32 planes and an int32."""
+    problem = Problem(16384, 1024, 131072, "bfloat16")
+    logits = predict_peak(Geometry.for_problem(problem, 8192)).total_bytes
+    scaled = predict_peak(Geometry.for_problem(problem, 8192, slab_form="scaled_exp")).total_bytes
+    assert scaled - logits == 8192 * 512 * (6 * 4 + 4)
+
+
+def test_bench_policy_wraps_every_rule():
+    """The bench row's policy: the packaged policy's chunks on every GPU, on the scaled-exp slab where it runs."""
+    from flce_policy.benchmarks.methods import scaled_exp_policy
+
+    packaged = FLCEPolicy.packaged()
+    wrapped = scaled_exp_policy(packaged)
+    problem = Problem(16384, 1024, 131072, "bfloat16")
+    for family, form in (("H200", "scaled_exp"), ("H100", "scaled_exp"), ("A100", "logits")):
+        device = DeviceInfo.synthetic(family)
+        want = packaged.resolve(problem, device)
+        got = wrapped.resolve(problem, device)
+        assert (got.chunk_size, got.vocab_chunk, got.slab_form) == (want.chunk_size, want.vocab_chunk, form), family
