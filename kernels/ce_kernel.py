@@ -74,7 +74,8 @@ def ce_workspace(
         slots = scaled_exp_slots(tile_cols)
         partials = torch.empty((planes, rows, slots), dtype=torch.float32, device=device)
         best_index = torch.empty((rows, slots), dtype=torch.int32, device=device)
-        return CEWorkspace(block_v, 1, blocks * block_v, slots, partials, best_index, SCALED_EXP_TILE)
+        target_coef = torch.empty(rows, dtype=torch.float32, device=device)
+        return CEWorkspace(block_v, 1, blocks * block_v, slots, partials, best_index, SCALED_EXP_TILE, target_coef)
     # Each segment keeps >= 2 blocks so its loop still pipelines loads.
     wanted = triton.next_power_of_2(triton.cdiv(TARGET_PROGRAMS, rows))
     segments = max(1, min(wanted, 1 << ((blocks // 2).bit_length() - 1) if blocks >= 2 else 1))
@@ -270,6 +271,7 @@ def _ce_finish_kernel(
     FLAG_GROUPS: tl.constexpr = 1,
     FLAG_COLS: tl.constexpr = 128,
     SCALED_EXP_TILE: tl.constexpr = 0,
+    target_coef_ptr=None,
 ):
     # Walk the programs in the reverse of the partial kernel's order: the segments it read last
     # are the ones still in L2, so the second read of the slab starts with cache hits.
@@ -291,6 +293,8 @@ def _ce_finish_kernel(
             if ENTROPY:
                 tl.store(entropy_ptr + row, 0.0)
         if WRITE_GRAD:
+            if SCALED_EXP_TILE and segment == 0:
+                tl.store(target_coef_ptr + row, 0.0)
             for start in range(col_start, col_stop, BLOCK_V):
                 offs = start + cols
                 tl.store(row_ptr + offs, tl.zeros([BLOCK_V], dtype=row_ptr.dtype.element_ty), mask=offs < col_stop)
@@ -360,6 +364,11 @@ def _ce_finish_kernel(
             if SCALED_EXP_TILE:
                 tl.static_assert(not HAS_SOFTCAP, "the scaled-exp slab is not softcapped")
                 filter_eps = tl.exp(filter_log_eps)
+                # The target's -coef_y is left out of the slab and applied by the driver in fp32: rounded into
+                # the slab, that entry (~ -1 on unconfident rows) carries most of a bf16 gradient's error.
+                if segment == 0:
+                    tl.store(target_coef_ptr + row, coef_y)
+                coef_y = 0.0
             for start in range(col_start, col_stop, BLOCK_V):
                 offs = start + cols
                 mask = offs < col_stop
@@ -532,6 +541,7 @@ def ce_finish(
         # the live slots: the segments', or the scaled-exp GEMM's column tiles
         triton.cdiv(n_cols, ws.scaled_exp_tile) if ws.scaled_exp_tile else ws.segments_per_tile,
         SCALED_EXP_TILE=ws.scaled_exp_tile,
+        target_coef_ptr=ws.target_coef,
         HAS_Z_LOSS=z_loss_rows is not None,
         WRITE_LOSS=write_loss,
         WRITE_GRAD=write_grad,

@@ -30,6 +30,7 @@ from .driver_call import (
 )
 from .gemm import accumulate_mm
 from .scaled_exp import scaled_exp_logits
+from .target_grad import TargetTerms
 from .vocab_tiled import run_vocab_tiled
 from .weight_grad_filter import filter_scratch_for, filtered_weight_grad
 
@@ -147,8 +148,14 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
             filter_flags=None if scratch is None else scratch.flags,
             filter_eps=params.grad_weight_filter or 0.0,
         )
+        # a scaled-exp slab's gradient lacks the target's one-hot term: added beside the GEMMs (target_grad)
+        target_terms = TargetTerms(target[start:stop], workspace, params.ignore_index) if scaled_exp else None
         if grad_input is not None:
             torch.mm(logits, weight, out=grad_input[start:stop])  # dense whatever the filter
+            if target_terms is not None:
+                target_terms.into_input_grad(grad_input[start:stop], weight)
+        if target_terms is not None and not target_terms.exact_for(grad_weight):
+            target_terms.into_slab(logits)
         if scratch is not None:
             filtered_weight_grad(grad_weight, logits, x_chunk, scratch, first=index == 0, grad_bias=grad_bias)
         elif grad_weight is not None:
@@ -156,5 +163,7 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
             accumulate_mm(grad_weight, logits.t(), x_chunk, first=index == 0)
         if grad_bias is not None and scratch is None:
             grad_bias += logits.sum(dim=0, dtype=torch.float32)
+        if target_terms is not None and target_terms.exact_for(grad_weight):
+            target_terms.into_weight_grads(grad_weight, grad_bias, x_chunk)
         if _observers:
             notify(ChunkEvent(index, start, stop - start, tuple(slab.shape), slab.numel() * slab.element_size()))

@@ -25,3 +25,6 @@ class CEWorkspace(NamedTuple):
     #: 0: the slab holds logits, a partial pass fills the slots. Else the slab holds exp(z - m) per column tile of
     #: this width, one slot per tile, filled by the logits GEMM (flce_policy.kernels.scaled_exp).
     scaled_exp_tile: int = 0
+    #: With a scaled-exp slab: each row's coefficient of the target's one-hot term, which the finish kernel leaves
+    #: out of the slab's gradient ([rows] fp32, 0 where ignored; flce_policy.kernels.target_grad applies it).
+    target_coef: torch.Tensor | None = None

@@ -11,9 +11,9 @@ and forms ``p = E * exp(m_tile - lse)``: no partial pass, so two passes over the
 
 Why: a bf16 logit carries ``|z| 2^-9`` of rounding into ``p = exp(z - lse)`` (logit std 4: the dense
 path's gradient error, 0.0076 relative); the stored exponential carries ``2^-9`` relative whatever
-``z``. What is left is the bf16 rounding of the gradient the finish kernel writes for cuBLAS (0.0035 of
-grad_input alone at logit std 4) and of the GEMMs' outputs (0.0017): 0.0043 / 0.0045 measured under the
-interpreter at 512x1024x32768 against 0.0076 / 0.0077 for the logits slab
+``z``. The target's one-hot term stays out of the slab (:mod:`.target_grad`). Under the interpreter at
+512x1024x32768, logit std 4, against fp64: grad_input 0.0021 and grad_weight 0.0020 with an fp32
+grad_weight accumulator (0.0040 with a bf16 one), against 0.0076 / 0.0077 for the logits slab
 (results/notes/2026-12-02-cpu-scaled-exp-numerics.log). The loss, ``lse`` and ``z_y`` are fp32. The softcap
 is not fused here (its gradient needs ``tanh`` per element): such calls run on the logits slab
 (:mod:`flce_policy.plan.scaled_exp`).

@@ -14,6 +14,7 @@ from test_loss_kernel import DEVICE
 
 from flce_policy import FLCEPolicy, fused_linear_cross_entropy
 from flce_policy.kernels.driver import inject_oom
+from flce_policy.kernels.weight_grad_filter import observe_tiles
 from flce_policy.plan.device import DeviceInfo
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.memory import predict_peak
@@ -95,7 +96,12 @@ CASES = {
         dict(class_weight=True),
     ),
     "none, token scaling": (dict(), dict(reduction="none", use_token_scaling=True), dict()),
-    "fp32 accumulation": (dict(), dict(accum_dtype=torch.float32), dict()),
+    "fp32 accumulation, bias": (dict(bias=True), dict(accum_dtype=torch.float32), dict()),
+    "fp32 accumulation, sum, smoothing, class weights": (
+        dict(),
+        dict(accum_dtype=torch.float32, reduction="sum", label_smoothing=0.1),
+        dict(class_weight=True),
+    ),
 }
 
 
@@ -116,14 +122,16 @@ def test_options_against_fp64(case):
         assert rel_l2(grad, want[name]) < GRAD_TOL, name
 
 
-def test_more_accurate_than_the_logits_slab():
-    """The point of the path: at logit std 4 its gradients are clearly closer to fp64 than the logits slab's."""
+@pytest.mark.parametrize("accum_dtype", [None, torch.float32])
+def test_more_accurate_than_the_logits_slab(accum_dtype):
+    """The point of the path: at logit std 4 its gradients are clearly closer to fp64 than the logits slab's
+    (no rounding of the logits, the target's term outside the bf16 gradient)."""
     t = inputs(seed=3)
     _, want = reference(t)
-    scaled = run(t, geometry("scaled_exp"))[2]
-    logits = run(t, geometry("logits"))[2]
+    scaled = run(t, geometry("scaled_exp"), accum_dtype=accum_dtype)[2]
+    logits = run(t, geometry("logits"), accum_dtype=accum_dtype)[2]
     for name in ("x", "w"):
-        assert rel_l2(scaled[name], want[name]) < 0.8 * rel_l2(logits[name], want[name]), name
+        assert rel_l2(scaled[name], want[name]) < 0.7 * rel_l2(logits[name], want[name]), name
 
 
 def test_extras_against_torch():
@@ -142,12 +150,16 @@ def test_extras_against_torch():
     torch.testing.assert_close(entropy.double(), want_entropy, rtol=2e-3, atol=1e-4)
 
 
-def test_grad_weight_filter_leaves_grad_input_alone():
+@pytest.mark.parametrize("accum_dtype", [None, torch.float32])  # the target terms in the slab, and beside it
+def test_grad_weight_filter_leaves_grad_input_alone(accum_dtype):
     t = inputs(seed=5)
-    dense = run(t, geometry("scaled_exp"))
-    filtered = run(t, geometry("scaled_exp"), grad_weight_filter=2.0**-6)
+    t["y"] = torch.where(t["y"] == -100, -100, t["y"] % 100)  # targets in the first column block: others skippable
+    dense = run(t, geometry("scaled_exp"), accum_dtype=accum_dtype)
+    with observe_tiles() as counts:
+        filtered = run(t, geometry("scaled_exp"), grad_weight_filter=0.5, accum_dtype=accum_dtype)
+    assert sum(int(c.kept) for c in counts) < sum(c.total for c in counts)  # some tiles were skipped
     assert torch.equal(filtered[0], dense[0]) and torch.equal(filtered[2]["x"], dense[2]["x"])
-    assert not torch.equal(filtered[2]["w"], dense[2]["w"])  # tiles below 2^-6 were skipped
+    assert not torch.equal(filtered[2]["w"], dense[2]["w"])
 
 
 def test_softcap_call_runs_the_logits_slab():

@@ -1,0 +1,128 @@
+"""The target's one-hot term of dL/dlogits, applied beside the GEMMs instead of through the bf16 slab.
+
+With a scaled-exp slab the CE finish kernel writes ``coef_p * p`` (and the smoothing's terms) but not the
+target's ``-coef_y``, and keeps ``coef_y`` per row (:attr:`.row_partials.CEWorkspace.target_coef`). Rounded
+into the slab, that entry (``~ -1`` on a row whose target is not confident) carries most of a bf16
+gradient's error: 0.0035 of grad_input's 0.0039 at logit std 4, against 0.0005 when it is applied exactly
+(results/notes/2026-12-02-cpu-scaled-exp-numerics.log). After the chunk's grad_input GEMM:
+
+- ``grad_input[r] -= coef_y[r] * W[y_r]``, in fp32, rounded once;
+- into an fp32 grad_weight (an fp32 accumulator, an fp32 master's gradient): after its GEMM,
+  ``grad_weight[c] -= sum(coef_y[r] * x[r] for r with y_r = c)`` and ``grad_bias[c] -= sum(coef_y[r])``, the
+  rows sorted by target, one program per target's run of rows summing in fp32 and writing its row (no
+  atomics: the same result on every run);
+- into a 16-bit grad_weight, where that read-modify-write would round each target's row once more, the
+  term goes back into the slab before the grad_weight GEMM, rounded there as on the logits slab.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .row_partials import CEWorkspace
+
+__all__ = ["TargetTerms"]
+
+_MAX_BLOCK_H = 1024
+
+
+@triton.jit
+def _target_weight_grad_kernel(
+    sorted_target_ptr,
+    order_ptr,
+    coef_ptr,
+    x_ptr,
+    x_stride,
+    grad_weight_ptr,
+    grad_weight_stride,
+    grad_bias_ptr,
+    n_rows,
+    hidden,
+    ignore_index,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    i = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    target = tl.load(sorted_target_ptr + i)
+    before = tl.load(sorted_target_ptr + i - 1, mask=i > 0, other=-1)
+    # the first row of a target's run sums the run; an ignored row's run is skipped
+    if (target != ignore_index) & ((i == 0) | (before != target)):
+        hs = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_mask = hs < hidden
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        total = 0.0
+        j = i
+        current = target
+        while current == target:
+            row = tl.load(order_ptr + j).to(tl.int64)
+            coef = tl.load(coef_ptr + row)
+            if HAS_WEIGHT:
+                acc += coef * tl.load(x_ptr + row * x_stride + hs, mask=h_mask, other=0.0).to(tl.float32)
+            total += coef
+            j += 1
+            current = tl.load(sorted_target_ptr + j, mask=j < n_rows, other=-1)  # -1: no class, ends the run
+        if HAS_WEIGHT:
+            out = grad_weight_ptr + target.to(tl.int64) * grad_weight_stride + hs
+            kept = tl.load(out, mask=h_mask, other=0.0).to(tl.float32)
+            tl.store(out, (kept - acc).to(grad_weight_ptr.dtype.element_ty), mask=h_mask)
+        if HAS_BIAS:
+            if pid_h == 0:
+                tl.store(grad_bias_ptr + target, tl.load(grad_bias_ptr + target) - total)
+
+
+class TargetTerms:
+    """One chunk's one-hot terms: its ``target [n]`` and the workspace's ``coef_y`` (0 on ignored rows)."""
+
+    def __init__(self, target: torch.Tensor, workspace: CEWorkspace, ignore_index: int) -> None:
+        self.target = target
+        self.coef = workspace.target_coef[: target.shape[0]]
+        self.ignore_index = ignore_index
+
+    def _classes(self) -> torch.Tensor:
+        return torch.where(self.target == self.ignore_index, 0, self.target)  # an ignored row's coef is 0
+
+    def into_input_grad(self, grad_input: torch.Tensor, weight: torch.Tensor) -> None:
+        """``grad_input [n, H] -= coef_y * W[y]`` (after the GEMM wrote the rest)."""
+        grad_input.addcmul_(self.coef[:, None], weight[self._classes()], value=-1.0)
+
+    @staticmethod
+    def exact_for(grad_weight: torch.Tensor | None) -> bool:
+        """Whether the grad_weight (and grad_bias) terms go beside the GEMM: an fp32 buffer, or none."""
+        return grad_weight is None or grad_weight.dtype == torch.float32
+
+    def into_slab(self, slab: torch.Tensor) -> None:
+        """``slab[r, y_r] -= coef_y[r]``: the term back in the chunk's gradient, for a 16-bit grad_weight."""
+        rows = torch.arange(self.target.shape[0], device=slab.device)
+        classes = self._classes()
+        slab[rows, classes] = (slab[rows, classes].float() - self.coef).to(slab.dtype)
+
+    def into_weight_grads(
+        self, grad_weight: torch.Tensor | None, grad_bias: torch.Tensor | None, x_chunk: torch.Tensor
+    ) -> None:
+        """``grad_weight [V, H]`` (fp32) and ``grad_bias [V]`` (fp32) minus the chunk's terms, after their GEMMs."""
+        if grad_weight is None and grad_bias is None:
+            return
+        sorted_target, order = torch.sort(self.target, stable=True)
+        n_rows, hidden = x_chunk.shape
+        block_h = min(_MAX_BLOCK_H, triton.next_power_of_2(hidden))
+        h_blocks = triton.cdiv(hidden, block_h) if grad_weight is not None else 1
+        _target_weight_grad_kernel[(n_rows, h_blocks)](
+            sorted_target,
+            order,
+            self.coef,
+            x_chunk,
+            x_chunk.stride(0),
+            grad_weight,
+            0 if grad_weight is None else grad_weight.stride(0),
+            grad_bias,
+            n_rows,
+            hidden,
+            self.ignore_index,
+            HAS_WEIGHT=grad_weight is not None,
+            HAS_BIAS=grad_bias is not None,
+            BLOCK_H=block_h,
+        )
