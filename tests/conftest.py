@@ -82,6 +82,7 @@ LONGEST_FIRST = (
     "test_entropy.py",
     "test_softcap_rounding.py",
     "test_bench.py",
+    "test_scaled_exp.py",
     "test_weight_grad_filter.py",
     "test_token_scaling_autocast.py",
     "test_trl_integration.py",
