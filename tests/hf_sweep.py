@@ -230,8 +230,8 @@ def _run(model_type: str) -> Outcome:
         try:  # HF's own numbers first: a type whose own text-only path fails is skipped
             expected = ref(input_ids=ids, labels=labels, use_cache=False)
             expected.loss.backward()
-            expected_tuple = ref(input_ids=ids, labels=labels, use_cache=False, return_dict=False)[0]
-            with torch.no_grad():
+            with torch.no_grad():  # the tuple output's loss and the logits: values only (the step above has the grads)
+                expected_tuple = ref(input_ids=ids, labels=labels, use_cache=False, return_dict=False)[0]
                 expected_logits = ref(input_ids=ids, use_cache=False).logits
         except Exception as error:  # noqa: BLE001
             return Outcome(model_type, "skipped", f"HF's own text-only loss fails: {_first_line(error)}")
@@ -239,8 +239,8 @@ def _run(model_type: str) -> Outcome:
             apply_flce(twin)
             got = twin(input_ids=ids, labels=labels, use_cache=False)
             got.loss.backward()
-            got_tuple = twin(input_ids=ids, labels=labels, use_cache=False, return_dict=False)[0]
             with torch.no_grad():
+                got_tuple = twin(input_ids=ids, labels=labels, use_cache=False, return_dict=False)[0]
                 same_logits = torch.equal(twin(input_ids=ids, use_cache=False).logits, expected_logits)
         except Exception as error:  # noqa: BLE001
             if _is_ours(error):
