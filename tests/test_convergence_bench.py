@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_two_runs_per_arm_from_one_seed():
-    result = run_all(TINY.model_copy(update={"steps": 3}), 0.5, sources=tiny_sources, log=lambda _m: None)
+    result = run_all(TINY.model_copy(update={"steps": 2}), 0.5, sources=tiny_sources, log=lambda _m: None)
     off1, on1, off2, on2 = result["runs"]
     assert [r["label"] for r in result["runs"]] == ["filter off #1", "filter on #1", "filter off #2", "filter on #2"]
     assert on1["options"] == on2["options"] == {"grad_weight_filter": 0.5}
