@@ -268,18 +268,10 @@ def _filtered_weight_grad_kernel(
                     acc = _accumulate(gt, x, acc, IEEE)
                 if HAS_BIAS:
                     bias_acc += tl.sum(gt.to(tl.float32), axis=1)
-        if HAS_WEIGHT:
-            out = out_ptr + cols.to(tl.int64)[:, None] * out_stride + hs[None, :]
-            out_mask = col_mask[:, None] & h_mask[None, :]
-            if FIRST:
-                tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-            elif kept > 0:
-                total = tl.load(out, mask=out_mask, other=0.0).to(tl.float32) + acc
-                tl.store(out, total.to(out_ptr.dtype.element_ty), mask=out_mask)
-        if HAS_BIAS:
-            if (pid_h == 0) & (kept > 0):
-                total_b = tl.load(bias_ptr + cols, mask=col_mask, other=0.0) + bias_acc
-                tl.store(bias_ptr + cols, total_b, mask=col_mask)
+        _store_block(
+            acc, bias_acc, out_ptr, out_stride, bias_ptr, cols, hs, col_mask, h_mask, kept, pid_h, FIRST, HAS_WEIGHT,
+            HAS_BIAS,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -321,11 +313,23 @@ def _listed_tma_kernel(
         if HAS_BIAS:
             bias_acc += tl.sum(g.to(tl.float32), axis=0)
     cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    col_mask = cols < n_cols
+    hs = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    _store_block(
+        acc, bias_acc, out_ptr, out_stride, bias_ptr, cols, hs, cols < n_cols, hs < hidden, kept, pid_h, FIRST,
+        HAS_WEIGHT, HAS_BIAS,
+    )  # fmt: skip
+
+
+@triton.jit
+def _store_block(
+    acc, bias_acc, out_ptr, out_stride, bias_ptr, cols, hs, col_mask, h_mask, kept, pid_h,
+    FIRST: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """A program's block of grad_weight written (the first chunk) or added to (where a tile was kept), and its
+    classes' grad_bias added to by the first hidden block."""
     if HAS_WEIGHT:
-        hs = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
         out = out_ptr + cols.to(tl.int64)[:, None] * out_stride + hs[None, :]
-        out_mask = col_mask[:, None] & (hs < hidden)[None, :]
+        out_mask = col_mask[:, None] & h_mask[None, :]
         if FIRST:
             tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
         elif kept > 0:
