@@ -249,3 +249,13 @@ def test_bench_policy_wraps_every_rule():
         want = packaged.resolve(problem, device)
         got = wrapped.resolve(problem, device)
         assert (got.chunk_size, got.vocab_chunk, got.slab_form) == (want.chunk_size, want.vocab_chunk, form), family
+
+
+def test_bias_gradient_alone():
+    """A frozen head with a trained bias: the target's term goes into grad_bias beside the slab's sum."""
+    t = inputs(seed=8, bias=True)
+    b = t["b"].clone().requires_grad_()
+    loss = fused_linear_cross_entropy(t["x"], t["w"], t["y"], b, policy=geometry("scaled_exp"))
+    (grad_b,) = torch.autograd.grad(loss, b)
+    _, want = reference(t)
+    assert rel_l2(grad_b, want["b"]) < GRAD_TOL
