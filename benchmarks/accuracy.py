@@ -31,6 +31,7 @@ DEFAULT_METHODS = (
     "ours_default_bf16",
     "ours_default_fp32",
     "ours_scaled_exp_bf16",
+    "ours_scaled_exp_fp32",
     "liger_c16_bf16",
     "liger_c1_bf16",
     "quack",

@@ -336,11 +336,19 @@ def default_methods(
             plan=within_liger.geometry,
         )
     )
-    # The scaled-exp slab (issue 25) at the default policy's chunks (each rule's strategy wrapped)
+    # The scaled-exp slab (issue 25) at the default policy's chunks (each rule's strategy wrapped), with bf16 and
+    # fp32 grad_weight accumulation (the target's one-hot term goes beside an fp32 one: kernels/target_grad.py)
     scaled_exp = scaled_exp_policy(policy)
-    methods.append(
-        Method("ours_scaled_exp_bf16", "ours scaled-exp", ours(lambda _inputs: scaled_exp), plan=scaled_exp.resolve)
-    )
+    for accum, dtype in _ACCUM_DTYPES.items():
+        methods.append(
+            Method(
+                f"ours_scaled_exp_{accum}",
+                "ours scaled-exp",
+                ours(lambda _inputs: scaled_exp, dtype),
+                accum=accum,
+                plan=scaled_exp.resolve,
+            )
+        )
     # grad_weight_filter (issue 26): the default policy, grad_weight skipping the tiles below 2^-12 / 2^-16
     for exponent in FILTER_EXPONENTS:
         eps = 2.0**-exponent

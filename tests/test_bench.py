@@ -452,6 +452,7 @@ ALL_NAMES = [
     "ours_fastest256MiB_peak3276MiB_fp32",
     "ours_within_liger_c16_peak_bf16",
     "ours_scaled_exp_bf16",
+    "ours_scaled_exp_fp32",
     *(f"ours_filter{n}_bf16" for n in (12, 13, 14, 16)),
     "quack",
     "cce",
