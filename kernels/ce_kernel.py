@@ -71,20 +71,20 @@ def ce_workspace(
     blocks = triton.cdiv(tile_cols, block_v)
     planes = _PARTIALS + 1 if entropy else _PARTIALS
     if scaled_exp:
-        slots = scaled_exp_slots(tile_cols)
-        partials = torch.empty((planes, rows, slots), dtype=torch.float32, device=device)
-        best_index = torch.empty((rows, slots), dtype=torch.int32, device=device)
-        target_coef = torch.empty(rows, dtype=torch.float32, device=device)
-        return CEWorkspace(block_v, 1, blocks * block_v, slots, partials, best_index, SCALED_EXP_TILE, target_coef)
-    # Each segment keeps >= 2 blocks so its loop still pipelines loads.
-    wanted = triton.next_power_of_2(triton.cdiv(TARGET_PROGRAMS, rows))
-    segments = max(1, min(wanted, 1 << ((blocks // 2).bit_length() - 1) if blocks >= 2 else 1))
-    segment_len = triton.cdiv(blocks, segments) * block_v
-    slots = triton.next_power_of_2(segments)
+        segments, segment_len, slots = 1, blocks * block_v, scaled_exp_slots(tile_cols)
+    else:
+        # Each segment keeps >= 2 blocks so its loop still pipelines loads.
+        wanted = triton.next_power_of_2(triton.cdiv(TARGET_PROGRAMS, rows))
+        segments = max(1, min(wanted, 1 << ((blocks // 2).bit_length() - 1) if blocks >= 2 else 1))
+        segment_len = triton.cdiv(blocks, segments) * block_v
+        slots = triton.next_power_of_2(segments)
     # No fill (four launches per call): the finish kernel reads the padding slots as neutral.
     partials = torch.empty((planes, rows, slots), dtype=torch.float32, device=device)
     best_index = torch.empty((rows, slots), dtype=torch.int32, device=device)
-    return CEWorkspace(block_v, segments, segment_len, slots, partials, best_index)
+    if not scaled_exp:
+        return CEWorkspace(block_v, segments, segment_len, slots, partials, best_index)
+    target_coef = torch.empty(rows, dtype=torch.float32, device=device)
+    return CEWorkspace(block_v, segments, segment_len, slots, partials, best_index, SCALED_EXP_TILE, target_coef)
 
 
 @triton.jit

@@ -149,7 +149,9 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
             filter_eps=params.grad_weight_filter or 0.0,
         )
         # a scaled-exp slab's gradient lacks the target's one-hot term: added beside the GEMMs (target_grad)
-        target_terms = TargetTerms(target[start:stop], workspace, params.ignore_index) if scaled_exp else None
+        target_terms = (
+            TargetTerms(target[start:stop], workspace, params.ignore_index) if scaled_exp and grads.any else None
+        )
         if grad_input is not None:
             torch.mm(logits, weight, out=grad_input[start:stop])  # dense whatever the filter
             if target_terms is not None:

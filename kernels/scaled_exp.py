@@ -32,11 +32,7 @@ from flce_policy.plan.scaled_exp import SCALED_EXP_TILE
 from .interpreter import KERNELS_INTERPRETED
 from .rounding import rounded
 from .row_partials import CEWorkspace
-
-try:  # Triton >= 3.4
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - depends on the Triton installed
-    TensorDescriptor = None
+from .tma import TensorDescriptor
 
 __all__ = ["scaled_exp_logits"]
 

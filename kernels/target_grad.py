@@ -81,13 +81,11 @@ class TargetTerms:
         self.target = target
         self.coef = workspace.target_coef[: target.shape[0]]
         self.ignore_index = ignore_index
-
-    def _classes(self) -> torch.Tensor:
-        return torch.where(self.target == self.ignore_index, 0, self.target)  # an ignored row's coef is 0
+        self.classes = torch.where(target == ignore_index, 0, target)  # an ignored row's coef is 0
 
     def into_input_grad(self, grad_input: torch.Tensor, weight: torch.Tensor) -> None:
         """``grad_input [n, H] -= coef_y * W[y]`` (after the GEMM wrote the rest)."""
-        grad_input.addcmul_(self.coef[:, None], weight[self._classes()], value=-1.0)
+        grad_input.addcmul_(self.coef[:, None], weight[self.classes], value=-1.0)
 
     @staticmethod
     def exact_for(grad_weight: torch.Tensor | None) -> bool:
@@ -97,8 +95,7 @@ class TargetTerms:
     def into_slab(self, slab: torch.Tensor) -> None:
         """``slab[r, y_r] -= coef_y[r]``: the term back in the chunk's gradient, for a 16-bit grad_weight."""
         rows = torch.arange(self.target.shape[0], device=slab.device)
-        classes = self._classes()
-        slab[rows, classes] = (slab[rows, classes].float() - self.coef).to(slab.dtype)
+        slab[rows, self.classes] = (slab[rows, self.classes].float() - self.coef).to(slab.dtype)
 
     def into_weight_grads(
         self, grad_weight: torch.Tensor | None, grad_bias: torch.Tensor | None, x_chunk: torch.Tensor

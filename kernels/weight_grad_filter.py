@@ -30,7 +30,6 @@ grad_input is not filtered: the driver keeps it dense.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -43,11 +42,7 @@ import triton.language as tl
 from flce_policy.plan.weight_filter import DENSE_LOOP_MIN_KEPT, FILTER_COLS, FILTER_ROWS
 
 from .interpreter import KERNELS_INTERPRETED
-
-try:  # Triton >= 3.4; older ones run the pointer-based launches
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - depends on the Triton installed
-    TensorDescriptor = None
+from .tma import TensorDescriptor, tma_tensors
 
 if TYPE_CHECKING:
     from .driver_call import DriverCall
@@ -390,7 +385,7 @@ def filtered_weight_grad(
         BLOCK_V=FILTER_COLS,
         BLOCK_K=FILTER_ROWS,
     )
-    if _tma_runs(grad, x_chunk):
+    if tma_tensors(grad, x_chunk):
         block_h, num_warps, num_stages = _TMA_LAUNCH
         block_h = min(block_h, max(16, triton.next_power_of_2(hidden)))
         _listed_tma_kernel[(triton.cdiv(hidden, block_h), col_blocks)](
@@ -435,21 +430,3 @@ def filtered_weight_grad(
             num_warps=num_warps,
             num_stages=num_stages,
         )
-
-
-def _tma_runs(*tensors: torch.Tensor) -> bool:
-    """Whether TMA descriptors can load these 2-D 16-bit tensors: Triton has them, the GPU is a Hopper or later
-    (or the interpreter runs), rows contiguous, row strides and addresses 16-byte aligned."""
-    if TensorDescriptor is None:
-        return False
-    if not KERNELS_INTERPRETED and not _has_tma(tensors[0].device):
-        return False
-    return all(
-        t.element_size() == 2 and t.stride(1) == 1 and (t.stride(0) * 2) % 16 == 0 and t.data_ptr() % 16 == 0
-        for t in tensors
-    )
-
-
-@functools.cache
-def _has_tma(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9

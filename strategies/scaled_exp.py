@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flce_policy.plan.device import DeviceInfo
+from flce_policy.plan.device import TMA_COMPUTE_CAPABILITY, DeviceInfo
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.problem import Problem
 from flce_policy.plan.scaled_exp import scaled_exp_unsupported
@@ -12,10 +12,7 @@ from flce_policy.plan.scaled_exp import scaled_exp_unsupported
 from .base import ChunkStrategy, StrategyError, builtin_strategy, checked_geometry
 from .nested import nested_config, nested_strategy, validate_nested
 
-__all__ = ["ScaledExp", "MIN_COMPUTE_CAPABILITY"]
-
-#: TMA descriptors: Hopper (sm_90) or later.
-MIN_COMPUTE_CAPABILITY = (9, 0)
+__all__ = ["ScaledExp"]
 
 
 @builtin_strategy
@@ -52,7 +49,7 @@ class ScaledExp(ChunkStrategy):
     def geometry(self, problem: Problem, device: DeviceInfo, *, rule: str | None = None) -> Geometry:
         self.validate_params()
         inner = checked_geometry(nested_strategy(self, "inner"), problem, device, rule=rule)  # type: ignore[arg-type]
-        capable = device.compute_capability is None or device.compute_capability >= MIN_COMPUTE_CAPABILITY
+        capable = device.compute_capability is None or device.compute_capability >= TMA_COMPUTE_CAPABILITY
         form = "scaled_exp" if capable and scaled_exp_unsupported(problem, inner.vocab_chunk) is None else "logits"
         return inner.with_slab_form(form).with_origin(strategy=repr(self))
 

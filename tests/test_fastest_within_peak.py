@@ -63,8 +63,7 @@ def test_bad_max_peak_names_the_parameter(max_peak, message):
 def test_policy_file_with_a_strategy_peak(tmp_path):
     path = tmp_path / "policy.yaml"
     path.write_text(
-        "version: 1\n"
-        "default:\n  strategy: fastest\n  max_slab: 64GiB\n  max_peak: {strategy: heuristic_c, c: 16}\n"
+        "version: 1\ndefault:\n  strategy: fastest\n  max_slab: 64GiB\n  max_peak: {strategy: heuristic_c, c: 16}\n"
     )
     config = parse_config(load_yaml_file(path))
     problem = Problem(16384, 1024, 131072, dtype="bfloat16")

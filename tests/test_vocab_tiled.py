@@ -14,7 +14,8 @@ from flce_policy import Geometry, Problem, fused_linear_cross_entropy
 from flce_policy.kernels.driver import observe_chunks
 from flce_policy.plan.accumulator import accumulator_layout
 
-BT, H, V = 13, 24, 101  # odd on purpose: tails in both dimensions (small: the interpreter runs a program per row and tile)
+# odd on purpose: tails in both dimensions (small: the interpreter runs a program per row and tile)
+BT, H, V = 13, 24, 101
 
 
 def make_inputs(seed: int = 0, *, ignored: int = 3):

@@ -12,7 +12,8 @@ import pytest
 import torch
 from test_loss_kernel import DEVICE, rel_err
 
-from flce_policy.kernels.weight_grad_filter import _tma_runs, filter_scratch, filtered_weight_grad
+from flce_policy.kernels.tma import tma_tensors
+from flce_policy.kernels.weight_grad_filter import filter_scratch, filtered_weight_grad
 from flce_policy.plan.weight_filter import FILTER_COLS, FILTER_ROWS
 
 pytestmark = pytest.mark.skipif(
@@ -64,7 +65,7 @@ def test_two_chunks_against_fp64(hidden, cols, tma, with_weight):
     want_b = torch.zeros(cols, dtype=torch.float64)
     for index, seed in enumerate((0, 1)):
         grad, x, mask = chunk_inputs(seed, hidden, cols)
-        assert _tma_runs(grad, x) == tma
+        assert tma_tensors(grad, x) == tma
         set_flags(scratch, mask, cols)
         filtered_weight_grad(grad_weight, grad, x, scratch, first=index == 0, grad_bias=grad_bias)
         kept = grad.cpu().double() * expand(mask, cols)

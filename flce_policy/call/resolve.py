@@ -18,7 +18,7 @@ import torch
 from flce_policy.engine import probe
 from flce_policy.engine.policy import CONFIG_ENV_VAR, FLCEPolicy
 from flce_policy.engine.strategy_cache import strategy_geometry
-from flce_policy.kernels import KERNELS_INTERPRETED
+from flce_policy.kernels.tma import tma_device
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.oom import DEFAULT_OOM_FALLBACK
 from flce_policy.plan.problem import Problem
@@ -58,7 +58,7 @@ def geometry_for(
 def geometry_for_call(geometry: Geometry, softcap: float | None, device: torch.device) -> Geometry:
     """``geometry``, or its copy on the logits slab where it asks for the scaled-exp slab and the call
     (:func:`flce_policy.plan.scaled_exp.call_routing`) or the device (TMA: Hopper or later) cannot run it."""
-    if geometry.slab_form != "scaled_exp" or (call_routing(softcap) is None and _has_tma(device)):
+    if geometry.slab_form != "scaled_exp" or (call_routing(softcap) is None and tma_device(device)):
         return geometry
     return _on_logits_slab(geometry)
 
@@ -66,13 +66,6 @@ def geometry_for_call(geometry: Geometry, softcap: float | None, device: torch.d
 @functools.lru_cache(maxsize=256)
 def _on_logits_slab(geometry: Geometry) -> Geometry:
     return geometry.with_slab_form("logits")
-
-
-@functools.lru_cache(maxsize=16)
-def _has_tma(device: torch.device) -> bool:
-    if KERNELS_INTERPRETED:
-        return True
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @functools.lru_cache(maxsize=1024)
