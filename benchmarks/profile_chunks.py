@@ -16,7 +16,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from .methods import Inputs, liger, make_inputs, ours
+from .methods import Inputs, _leaf_step, liger, make_inputs, ours
 from .suite import parse_shape
 
 
@@ -66,10 +66,10 @@ def main(argv: list[str]) -> None:
     shape = parse_shape(argv[0])
     inputs: Inputs = make_inputs(*shape, logit_std=4.0)
     for chunk in (int(c) for c in argv[1:]):
-        show(f"ours chunk {chunk}", ours(lambda i, c=chunk: FixedChunkSize(c))(inputs))
+        show(f"ours chunk {chunk}", _leaf_step(inputs, ours(lambda i, c=chunk: FixedChunkSize(c))(inputs)))
     for chunk_mem_const in (1, 16):
         try:
-            show(f"liger c={chunk_mem_const}", liger(chunk_mem_const)(inputs))
+            show(f"liger c={chunk_mem_const}", _leaf_step(inputs, liger(chunk_mem_const)(inputs)))
         except Exception as err:  # noqa: BLE001 - a missing peer only skips its row
             print("liger:", err)
 

@@ -70,6 +70,7 @@ def _scaled_exp_gemm_kernel(
     TRACK_ARGMAX: tl.constexpr,
     ENTROPY: tl.constexpr,
     IEEE: tl.constexpr,
+    EVEN_N: tl.constexpr,
     NUM_SLOTS: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -98,39 +99,46 @@ def _scaled_exp_gemm_kernel(
                 acc = tl.dot(a, b.T, acc)
         rows = row0 + tl.arange(0, BLOCK_M)
         cols = col0 + tl.arange(0, BLOCK_N)
-        col_ok = cols < n_cols
         row_ok = rows < n_rows
+        col_ok = cols < n_cols
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        z = tl.where(col_ok[None, :], acc, -float("inf"))
-        m = tl.max(z, axis=1)
-        e = tl.exp(z - m[:, None])
-        if IEEE:  # the interpreter truncates a cast to bf16: round to nearest first, as the GPU's cast does
-            e = rounded(e, out_desc.dtype)
-        out_desc.store([row0, col0], e.to(out_desc.dtype))
+        # Columns past V hold z = 0 (TMA reads zeros there, the bias is masked): a sum of z or of z * weight is
+        # right as it is; only the max, the exponentials and the argmax must not see them. The reductions on z
+        # come first so that only the accumulator is live in registers (the tile is 128 fp32 per thread).
         slot = rows.to(tl.int64) * NUM_SLOTS + pid_n
-        tl.store(partials_ptr + slot, m, mask=row_ok)
-        tl.store(partials_ptr + plane + slot, tl.sum(e, axis=1), mask=row_ok)
-        z_or_0 = tl.where(col_ok[None, :], acc, 0.0)
-        if HAS_SMOOTHING:
-            if HAS_WEIGHT:
-                w = tl.load(class_weight_ptr + cols, mask=col_ok, other=0.0)
-                tl.store(partials_ptr + 2 * plane + slot, tl.sum(z_or_0 * w[None, :], axis=1), mask=row_ok)
-                tl.store(partials_ptr + 3 * plane + slot, tl.zeros_like(m) + tl.sum(w, axis=0), mask=row_ok)
-            else:
-                tl.store(partials_ptr + 2 * plane + slot, tl.sum(z_or_0, axis=1), mask=row_ok)
-                tl.store(partials_ptr + 3 * plane + slot, tl.zeros_like(m), mask=row_ok)
-        if TRACK_ARGMAX:
-            as_logits = tl.where(col_ok[None, :], rounded(acc, out_desc.dtype), -float("inf"))
-            tl.store(partials_ptr + 4 * plane + slot, tl.max(as_logits, axis=1), mask=row_ok)
-            tl.store(best_index_ptr + slot, col0 + tl.argmax(as_logits, axis=1), mask=row_ok)
-        if ENTROPY:
-            tl.store(partials_ptr + 6 * plane + slot, tl.sum(e * z_or_0, axis=1), mask=row_ok)
         # the target logit, in fp32, from the tile holding it (an ignored row's target lies outside every tile)
         target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
         holds = row_ok & (target >= col0) & (target < col0 + BLOCK_N)
-        z_y = tl.sum(tl.where(cols[None, :] == target[:, None], z_or_0, 0.0), axis=1)
+        z_y = tl.sum(tl.where(cols[None, :] == target[:, None], acc, 0.0), axis=1)
         tl.store(partials_ptr + 5 * plane + rows.to(tl.int64) * NUM_SLOTS, z_y, mask=holds)
+        if HAS_SMOOTHING:
+            if HAS_WEIGHT:
+                w = tl.load(class_weight_ptr + cols, mask=col_ok, other=0.0)
+                tl.store(partials_ptr + 2 * plane + slot, tl.sum(acc * w[None, :], axis=1), mask=row_ok)
+                tl.store(partials_ptr + 3 * plane + slot, tl.zeros_like(z_y) + tl.sum(w, axis=0), mask=row_ok)
+            else:
+                tl.store(partials_ptr + 2 * plane + slot, tl.sum(acc, axis=1), mask=row_ok)
+                tl.store(partials_ptr + 3 * plane + slot, tl.zeros_like(z_y), mask=row_ok)
+        if TRACK_ARGMAX:
+            as_logits = rounded(acc, out_desc.dtype)
+            if not EVEN_N:
+                as_logits = tl.where(col_ok[None, :], as_logits, -float("inf"))
+            tl.store(partials_ptr + 4 * plane + slot, tl.max(as_logits, axis=1), mask=row_ok)
+            tl.store(best_index_ptr + slot, col0 + tl.argmax(as_logits, axis=1), mask=row_ok)
+        if EVEN_N:
+            m = tl.max(acc, axis=1)
+            e = tl.exp(acc - m[:, None])
+        else:
+            m = tl.max(tl.where(col_ok[None, :], acc, -float("inf")), axis=1)
+            e = tl.where(col_ok[None, :], tl.exp(acc - m[:, None]), 0.0)
+        if ENTROPY:
+            tl.store(partials_ptr + 6 * plane + slot, tl.sum(e * acc, axis=1), mask=row_ok)
+        tl.store(partials_ptr + slot, m, mask=row_ok)
+        tl.store(partials_ptr + plane + slot, tl.sum(e, axis=1), mask=row_ok)
+        if IEEE:  # the interpreter truncates a cast to bf16: round to nearest first, as the GPU's cast does
+            e = rounded(e, out_desc.dtype)
+        out_desc.store([row0, col0], e.to(out_desc.dtype))
 
 
 def scaled_exp_logits(
@@ -173,6 +181,7 @@ def scaled_exp_logits(
         TRACK_ARGMAX=track_argmax,
         ENTROPY=entropy,
         IEEE=KERNELS_INTERPRETED,
+        EVEN_N=n_cols % block_n == 0,
         NUM_SLOTS=ws.slots,
         NUM_PROGRAMS=programs,
         BLOCK_M=block_m,
