@@ -5,9 +5,10 @@ One persistent Triton GEMM, ``x_chunk @ W.T (+ bias)`` with TMA loads, whose epi
 slab's dtype and writes the tile's partials into the CE workspace (:mod:`.row_partials`), one slot per
 column tile, as the CE partial pass would per segment: ``m``, ``d = sum(exp(z - m))``, and as asked the
 label-smoothing sums, the argmax (over the logits rounded to the slab's dtype, as eager's argmax sees
-them), the entropy sum; and the target logit ``z_y`` where the tile holds the target. The CE finish
-kernel (:func:`.ce_kernel.ce_finish` with ``workspace.scaled_exp_tile``) merges the slots into ``lse``
-and forms ``p = E * exp(m_tile - lse)``: no partial pass, so two passes over the slab instead of three.
+them), the entropy sum. The target logit ``z_y`` comes from a kernel of its own (the row's dot with its
+target's weight row, in fp32). The CE finish kernel (:func:`.ce_kernel.ce_finish` with
+``workspace.scaled_exp_tile``) merges the slots into ``lse`` and forms ``p = E * exp(m_tile - lse)``: no
+partial pass, so two passes over the slab instead of three.
 
 Why: a bf16 logit carries ``|z| 2^-9`` of rounding into ``p = exp(z - lse)`` (logit std 4: the dense
 path's gradient error, 0.0076 relative); the stored exponential carries ``2^-9`` relative whatever
@@ -39,6 +40,8 @@ __all__ = ["scaled_exp_logits"]
 #: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages): the fastest with this epilogue of a sweep at the small
 #: heads' chunks on the H200 (results/2026-12-01-small-heads/h200-persistent-tma.log); BLOCK_N is the plan's tile.
 _LAUNCH = (128, SCALED_EXP_TILE, 64, 8, 8, 3)
+#: Rows and hidden columns per step of the target-logit kernel.
+_TARGET_ROWS, _TARGET_HIDDEN = 16, 128
 #: Programs of the persistent grid under the interpreter (the GPU runs one per SM).
 _INTERPRETED_PROGRAMS = 4
 
@@ -56,7 +59,6 @@ def _scaled_exp_gemm_kernel(
     w_desc,
     out_desc,
     bias_ptr,
-    target_ptr,
     class_weight_ptr,
     partials_ptr,
     best_index_ptr,
@@ -105,21 +107,21 @@ def _scaled_exp_gemm_kernel(
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         # Columns past V hold z = 0 (TMA reads zeros there, the bias is masked): a sum of z or of z * weight is
         # right as it is; only the max, the exponentials and the argmax must not see them. The reductions on z
-        # come first so that only the accumulator is live in registers (the tile is 128 fp32 per thread).
+        # come first, while only the accumulator is live (128 fp32 registers per thread; more spill).
         slot = rows.to(tl.int64) * NUM_SLOTS + pid_n
-        # the target logit, in fp32, from the tile holding it (an ignored row's target lies outside every tile)
-        target = tl.load(target_ptr + rows, mask=row_ok, other=-1)
-        holds = row_ok & (target >= col0) & (target < col0 + BLOCK_N)
-        z_y = tl.sum(tl.where(cols[None, :] == target[:, None], acc, 0.0), axis=1)
-        tl.store(partials_ptr + 5 * plane + rows.to(tl.int64) * NUM_SLOTS, z_y, mask=holds)
         if HAS_SMOOTHING:
+            no_rows = tl.zeros([BLOCK_M], dtype=tl.float32)
             if HAS_WEIGHT:
                 w = tl.load(class_weight_ptr + cols, mask=col_ok, other=0.0)
                 tl.store(partials_ptr + 2 * plane + slot, tl.sum(acc * w[None, :], axis=1), mask=row_ok)
-                tl.store(partials_ptr + 3 * plane + slot, tl.zeros_like(z_y) + tl.sum(w, axis=0), mask=row_ok)
+                tl.store(
+                    partials_ptr + 3 * plane + slot,
+                    tl.zeros([BLOCK_M], dtype=tl.float32) + tl.sum(w, axis=0),
+                    mask=row_ok,
+                )
             else:
                 tl.store(partials_ptr + 2 * plane + slot, tl.sum(acc, axis=1), mask=row_ok)
-                tl.store(partials_ptr + 3 * plane + slot, tl.zeros_like(z_y), mask=row_ok)
+                tl.store(partials_ptr + 3 * plane + slot, no_rows, mask=row_ok)
         if TRACK_ARGMAX:
             as_logits = rounded(acc, out_desc.dtype)
             if not EVEN_N:
@@ -139,6 +141,27 @@ def _scaled_exp_gemm_kernel(
         if IEEE:  # the interpreter truncates a cast to bf16: round to nearest first, as the GPU's cast does
             e = rounded(e, out_desc.dtype)
         out_desc.store([row0, col0], e.to(out_desc.dtype))
+
+
+@triton.jit
+def _target_logit_kernel(
+    x_ptr, x_stride, w_ptr, w_stride, bias_ptr, target_ptr, out_ptr, out_stride, n_rows, n_cols, hidden,
+    HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    target = tl.load(target_ptr + rows, mask=rows < n_rows, other=-1)
+    holds = (rows < n_rows) & (target >= 0) & (target < n_cols)
+    target = tl.where(holds, target, 0).to(tl.int64)
+    acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for h0 in range(0, hidden, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        ok = holds[:, None] & (h < hidden)[None, :]
+        xv = tl.load(x_ptr + rows.to(tl.int64)[:, None] * x_stride + h[None, :], mask=ok, other=0.0)
+        wv = tl.load(w_ptr + target[:, None] * w_stride + h[None, :], mask=ok, other=0.0)
+        acc += tl.sum(xv.to(tl.float32) * wv.to(tl.float32), axis=1)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + target, mask=holds, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows.to(tl.int64) * out_stride, acc, mask=holds)
 
 
 def scaled_exp_logits(
@@ -167,7 +190,6 @@ def scaled_exp_logits(
         TensorDescriptor.from_tensor(weight, [block_n, block_k]),
         TensorDescriptor.from_tensor(slab, [block_m, block_n]),
         bias,
-        target,
         class_weight,
         ws.partials,
         ws.best_index,
@@ -191,3 +213,9 @@ def scaled_exp_logits(
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    # z_y apart: picked out of the GEMM's tile it cost the epilogue 9-15% at the small heads (H200, 4096-row
+    # chunks, proto sweep of 2026-12-02); a dot of two rows in fp32 is the same value up to summation order
+    _target_logit_kernel[(triton.cdiv(n_rows, _TARGET_ROWS),)](
+        x_chunk, x_chunk.stride(0), weight, weight.stride(0), bias, target, ws.partials[5], ws.partials.stride(1),
+        n_rows, n_cols, hidden, HAS_BIAS=bias is not None, BLOCK_R=_TARGET_ROWS, BLOCK_H=_TARGET_HIDDEN,
+    )  # fmt: skip
