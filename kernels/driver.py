@@ -154,10 +154,12 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
         )
         if grad_input is not None:
             torch.mm(logits, weight, out=grad_input[start:stop])  # dense whatever the filter
-            if target_terms is not None:
-                target_terms.into_input_grad(grad_input[start:stop], weight)
-        if target_terms is not None and not target_terms.exact_for(grad_weight):
-            target_terms.into_slab(logits)
+        if target_terms is not None:
+            target_terms.into_chunk(
+                None if grad_input is None else grad_input[start:stop],
+                weight,
+                None if target_terms.exact_for(grad_weight) else logits,
+            )
         if scratch is not None:
             filtered_weight_grad(grad_weight, logits, x_chunk, scratch, first=index == 0, grad_bias=grad_bias)
         elif grad_weight is not None:

@@ -37,9 +37,10 @@ from .tma import TensorDescriptor
 
 __all__ = ["scaled_exp_logits"]
 
-#: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages): the fastest with this epilogue of a sweep at the small
-#: heads' chunks on the H200 (results/2026-12-01-small-heads/h200-persistent-tma.log); BLOCK_N is the plan's tile.
-_LAUNCH = (128, SCALED_EXP_TILE, 64, 8, 8, 3)
+#: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages): the fastest with this epilogue of sweeps at the small
+#: heads' chunks on the H200 (results/2026-12-01-small-heads/h200-persistent-tma.log; GROUP_M 16 over 8: 1-3%
+#: in a sweep of 2026-12-02, results/2026-12-02-h200-scaled-exp/); BLOCK_N is the plan's tile.
+_LAUNCH = (128, SCALED_EXP_TILE, 64, 16, 8, 3)
 #: Rows and hidden columns per step of the target-logit kernel.
 _TARGET_ROWS, _TARGET_HIDDEN = 16, 128
 #: Programs of the persistent grid under the interpreter (the GPU runs one per SM).

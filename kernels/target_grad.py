@@ -21,11 +21,15 @@ import torch
 import triton
 import triton.language as tl
 
+from .interpreter import KERNELS_INTERPRETED
+from .rounding import rounded
 from .row_partials import CEWorkspace
 
 __all__ = ["TargetTerms"]
 
 _MAX_BLOCK_H = 1024
+#: Rows and hidden columns per step of the grad_input / slab kernel.
+_ROWS, _ROW_BLOCK_H = 16, 128
 
 
 @triton.jit
@@ -74,6 +78,36 @@ def _target_weight_grad_kernel(
                 tl.store(grad_bias_ptr + target, tl.load(grad_bias_ptr + target) - total)
 
 
+@triton.jit
+def _target_rows_kernel(
+    target_ptr, coef_ptr, weight_ptr, weight_stride, grad_input_ptr, grad_input_stride, slab_ptr, slab_stride,
+    n_rows, vocab, hidden, INPUT: tl.constexpr, SLAB: tl.constexpr, IEEE: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    target = tl.load(target_ptr + rows, mask=rows < n_rows, other=-1)
+    holds = (rows < n_rows) & (target >= 0) & (target < vocab)  # an ignored row's coef is 0: nothing to add
+    target = tl.where(holds, target, 0).to(tl.int64)
+    coef = tl.load(coef_ptr + rows, mask=holds, other=0.0)
+    rows = rows.to(tl.int64)
+    if INPUT:
+        for h0 in range(0, hidden, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            ok = holds[:, None] & (h < hidden)[None, :]
+            w = tl.load(weight_ptr + target[:, None] * weight_stride + h[None, :], mask=ok, other=0.0)
+            out = grad_input_ptr + rows[:, None] * grad_input_stride + h[None, :]
+            g = tl.load(out, mask=ok, other=0.0).to(tl.float32) - coef[:, None] * w.to(tl.float32)
+            if IEEE:  # the interpreter truncates a cast to 16 bits: round to nearest first, as the GPU does
+                g = rounded(g, grad_input_ptr.dtype.element_ty)
+            tl.store(out, g.to(grad_input_ptr.dtype.element_ty), mask=ok)
+    if SLAB:
+        entry = slab_ptr + rows * slab_stride + target
+        value = tl.load(entry, mask=holds, other=0.0).to(tl.float32) - coef
+        if IEEE:
+            value = rounded(value, slab_ptr.dtype.element_ty)
+        tl.store(entry, value.to(slab_ptr.dtype.element_ty), mask=holds)
+
+
 class TargetTerms:
     """One chunk's one-hot terms: its ``target [n]`` and the workspace's ``coef_y`` (0 on ignored rows)."""
 
@@ -81,21 +115,27 @@ class TargetTerms:
         self.target = target
         self.coef = workspace.target_coef[: target.shape[0]]
         self.ignore_index = ignore_index
-        self.classes = torch.where(target == ignore_index, 0, target)  # an ignored row's coef is 0
-
-    def into_input_grad(self, grad_input: torch.Tensor, weight: torch.Tensor) -> None:
-        """``grad_input [n, H] -= coef_y * W[y]`` (after the GEMM wrote the rest)."""
-        grad_input.addcmul_(self.coef[:, None], weight[self.classes], value=-1.0)
 
     @staticmethod
     def exact_for(grad_weight: torch.Tensor | None) -> bool:
         """Whether the grad_weight (and grad_bias) terms go beside the GEMM: an fp32 buffer, or none."""
         return grad_weight is None or grad_weight.dtype == torch.float32
 
-    def into_slab(self, slab: torch.Tensor) -> None:
-        """``slab[r, y_r] -= coef_y[r]``: the term back in the chunk's gradient, for a 16-bit grad_weight."""
-        rows = torch.arange(self.target.shape[0], device=slab.device)
-        slab[rows, self.classes] = (slab[rows, self.classes].float() - self.coef).to(slab.dtype)
+    def into_chunk(self, grad_input: torch.Tensor | None, weight: torch.Tensor, slab: torch.Tensor | None) -> None:
+        """In one launch, each as given: ``grad_input [n, H] -= coef_y * W[y]`` (after the GEMM wrote the rest;
+        fp32, rounded once) and ``slab[r, y_r] -= coef_y[r]`` (the term back in the chunk's gradient, for a
+        16-bit grad_weight; before its GEMM)."""
+        if grad_input is None and slab is None:
+            return
+        n_rows = self.target.shape[0]
+        vocab, hidden = weight.shape
+        _target_rows_kernel[(triton.cdiv(n_rows, _ROWS),)](
+            self.target, self.coef, weight, weight.stride(0),
+            grad_input, 0 if grad_input is None else grad_input.stride(0),
+            slab, 0 if slab is None else slab.stride(0),
+            n_rows, vocab, hidden, INPUT=grad_input is not None, SLAB=slab is not None, IEEE=KERNELS_INTERPRETED,
+            BLOCK_R=_ROWS, BLOCK_H=_ROW_BLOCK_H,
+        )  # fmt: skip
 
     def into_weight_grads(
         self, grad_weight: torch.Tensor | None, grad_bias: torch.Tensor | None, x_chunk: torch.Tensor
