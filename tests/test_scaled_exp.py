@@ -109,7 +109,7 @@ CASES = {
 def test_options_against_fp64(case):
     input_kw, options, call_kw = CASES[case]
     t = inputs(seed=1, **input_kw)
-    grad_output = torch.rand(BT, generator=torch.Generator().manual_seed(2)) if "none" in case else None
+    grad_output = torch.rand(BT, generator=torch.Generator().manual_seed(2)).to(DEVICE) if "none" in case else None
     got_loss, _, got = run(t, geometry("scaled_exp"), grad_output, **options, **call_kw)
     ref_options = {k: v for k, v in options.items() if k not in ("accum_dtype", "use_token_scaling")}
     want_loss, want = reference(
