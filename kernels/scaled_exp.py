@@ -107,36 +107,35 @@ def _scaled_exp_gemm_kernel(
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         # Columns past V hold z = 0 (TMA reads zeros there, the bias is masked): a sum of z or of z * weight is
-        # right as it is; only the max, the exponentials and the argmax must not see them. The reductions on z
-        # come first, while only the accumulator is live (128 fp32 registers per thread; more spill).
+        # right as it is; the max, the exponentials and the argmax see -inf there. Only the accumulator is kept
+        # live over the epilogue (128 fp32 registers per thread: a second such tile spills).
         slot = rows.to(tl.int64) * NUM_SLOTS + pid_n
         if HAS_SMOOTHING:
             no_rows = tl.zeros([BLOCK_M], dtype=tl.float32)
             if HAS_WEIGHT:
                 w = tl.load(class_weight_ptr + cols, mask=col_ok, other=0.0)
                 tl.store(partials_ptr + 2 * plane + slot, tl.sum(acc * w[None, :], axis=1), mask=row_ok)
-                tl.store(
-                    partials_ptr + 3 * plane + slot,
-                    tl.zeros([BLOCK_M], dtype=tl.float32) + tl.sum(w, axis=0),
-                    mask=row_ok,
-                )
+                tl.store(partials_ptr + 3 * plane + slot, no_rows + tl.sum(w, axis=0), mask=row_ok)
             else:
                 tl.store(partials_ptr + 2 * plane + slot, tl.sum(acc, axis=1), mask=row_ok)
                 tl.store(partials_ptr + 3 * plane + slot, no_rows, mask=row_ok)
+        if not EVEN_N:  # in place: one more tile of registers would spill
+            acc = tl.where(col_ok[None, :], acc, -float("inf"))
         if TRACK_ARGMAX:
             as_logits = rounded(acc, out_desc.dtype)
-            if not EVEN_N:
-                as_logits = tl.where(col_ok[None, :], as_logits, -float("inf"))
             tl.store(partials_ptr + 4 * plane + slot, tl.max(as_logits, axis=1), mask=row_ok)
             tl.store(best_index_ptr + slot, col0 + tl.argmax(as_logits, axis=1), mask=row_ok)
-        if EVEN_N:
-            m = tl.max(acc, axis=1)
-            e = tl.exp(acc - m[:, None])
-        else:
-            m = tl.max(tl.where(col_ok[None, :], acc, -float("inf")), axis=1)
-            e = tl.where(col_ok[None, :], tl.exp(acc - m[:, None]), 0.0)
+        m = tl.max(acc, axis=1)
+        e = tl.exp(acc - m[:, None])
         if ENTROPY:
-            tl.store(partials_ptr + 6 * plane + slot, tl.sum(e * acc, axis=1), mask=row_ok)
+            if EVEN_N:
+                tl.store(partials_ptr + 6 * plane + slot, tl.sum(e * acc, axis=1), mask=row_ok)
+            else:  # 0 * -inf past V
+                tl.store(
+                    partials_ptr + 6 * plane + slot,
+                    tl.sum(e * tl.where(col_ok[None, :], acc, 0.0), axis=1),
+                    mask=row_ok,
+                )
         tl.store(partials_ptr + slot, m, mask=row_ok)
         tl.store(partials_ptr + plane + slot, tl.sum(e, axis=1), mask=row_ok)
         if IEEE:  # the interpreter truncates a cast to bf16: round to nearest first, as the GPU's cast does
