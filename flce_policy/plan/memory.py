@@ -69,8 +69,6 @@ def predict_peak(
     if geometry.slab_form == "scaled_exp":
         # its row partials are a slot per column tile, not a few per row: 5% of a bf16 slab
         loop["scaled_exp_partials"] = scaled_exp_scratch_bytes(geometry.chunk_size, geometry.vocab_chunk)
-        if input_grad:  # the targets' rows of W, gathered for grad_input's one-hot term (kernels/target_grad.py)
-            loop["target_rows"] = geometry.chunk_size * p.hidden * p.itemsize
     layout = accumulator_layout(geometry, input_grad=input_grad, weight_grad=weight_grad)
     if layout.separate:
         # vocab tiles add into grad_input across the tiles; the rows of the fp32 accumulator
