@@ -235,13 +235,15 @@ def _vocab_tiled_for_inputs(vocab_chunk: int, inputs: Inputs) -> Geometry:
 
 
 def scaled_exp_policy(policy: Any) -> Any:
-    """``policy`` with every rule's strategy (and the default's) wrapped in ``scaled_exp``."""
+    """``policy`` with every rule's strategy (and the default's) wrapped in ``scaled_exp``, where it is not already."""
     from flce_policy import FLCEPolicy
     from flce_policy.engine.config import RULE_KEYS
 
     rule_only = set(RULE_KEYS) - {"strategy"}  # the rest of an entry is its strategy's
     config = policy.to_dict()
     for entry in (config["default"], *config["devices"]):
+        if entry.get("strategy") == "scaled_exp":
+            continue  # on the scaled-exp slab already (the packaged H200 rule)
         inner = {key: entry.pop(key) for key in list(entry) if key not in rule_only}
         entry["strategy"] = "scaled_exp"
         entry["inner"] = inner
