@@ -29,6 +29,9 @@ while [ $# -gt 0 ]; do
     tests)
       TRITON_INTERPRET=0 FLCE_GPU_REPORT="$out/gpu_tests.jsonl" python3 -m pytest "$repo/tests" -m gpu -s -q -p no:cacheprovider --continue-on-collection-errors \
         --junitxml="$out/gpu_tests.xml" 2>&1 | tee "$out/gpu_tests.log" || status=1
+      # the scaled-exp slab's option tests (the interpreter's shapes), compiled on CUDA: every option on the GPU
+      TRITON_INTERPRET=0 python3 -m pytest "$repo/tests/test_scaled_exp.py" -q -p no:cacheprovider 2>&1 \
+        | tee "$out/gpu_scaled_exp_options.log" || status=1
       shift ;;
     bench)
       python3 -m flce_policy.cli bench --out "$out" || status=1
