@@ -27,15 +27,17 @@ from flce_policy.plan.units import parse_bytes
 
 if TYPE_CHECKING:
     from flce_policy.engine.policy import FLCEPolicy
-    from flce_policy.strategies import FixedChunkSize
+    from flce_policy.strategies import ChunkStrategy
 
 __all__ = [
+    "FIXED_FAMILIES",
     "FLOOR",
     "PEER_DEFAULTS",
     "Inputs",
     "Method",
     "Unavailable",
     "default_methods",
+    "fixed_chunk_methods",
     "make_inputs",
     "planned_vocab_chunk",
     "predicted_peak",
@@ -56,6 +58,8 @@ PEER_DEFAULTS = frozenset({"liger_c1_bf16", "liger_c1_fp32", "quack", "cce", "ea
 _ACCUM_DTYPES: dict[str, torch.dtype | None] = {"bf16": None, "fp32": torch.float32}
 #: The grad_weight filters benched: eps = 2^-12 and 2^-16 (issue 26's two), and two between them (the trade-off).
 FILTER_EXPONENTS = (12, 13, 14, 16)
+#: The family of the fixed-chunk rows on each slab form (tune chooses among them).
+FIXED_FAMILIES = {"logits": "ours fixed", "scaled_exp": "ours fixed scaled-exp"}
 #: The peak limit of the lean Fastest row: under liger-kernel fp32 (8.20 GiB at 32768x5376x262144)
 #: by 5 GiB, and within it the two bf16 gradients (2.95 GiB there) and a 256 MiB slab.
 LEAN_PEAK = "3276MiB"
@@ -208,19 +212,42 @@ def eager(inputs: Inputs) -> LossFn:
     return lambda x, w: F.cross_entropy((x @ w.t()).float(), inputs.target)
 
 
-def _fixed_strategy(chunk: int | None, tokens: int) -> FixedChunkSize:
-    """FixedChunkSize(chunk), or one chunk of all ``tokens`` rows when ``chunk`` is None."""
-    from flce_policy.strategies import FixedChunkSize
+def _fixed_strategy(chunk: int | None, tokens: int, slab_form: str = "logits") -> ChunkStrategy:
+    """FixedChunkSize(chunk), or one chunk of all ``tokens`` rows when ``chunk`` is None; on the scaled-exp
+    slab with ``slab_form="scaled_exp"``."""
+    from flce_policy.strategies import FixedChunkSize, ScaledExp
 
-    return FixedChunkSize(chunk or tokens)
-
-
-def _fixed_for_inputs(chunk: int | None, inputs: Inputs) -> FixedChunkSize:
-    return _fixed_strategy(chunk, inputs.shape[0])
+    fixed = FixedChunkSize(chunk or tokens)
+    return ScaledExp(fixed) if slab_form == "scaled_exp" else fixed
 
 
-def _fixed_plan(chunk: int | None, problem: Problem, device: DeviceInfo) -> Geometry:
-    return _fixed_strategy(chunk, problem.tokens).geometry(problem, device)
+def _fixed_for_inputs(chunk: int | None, slab_form: str, inputs: Inputs) -> ChunkStrategy:
+    return _fixed_strategy(chunk, inputs.shape[0], slab_form)
+
+
+def _fixed_plan(chunk: int | None, slab_form: str, problem: Problem, device: DeviceInfo) -> Geometry:
+    return _fixed_strategy(chunk, problem.tokens, slab_form).geometry(problem, device)
+
+
+def fixed_chunk_methods(chunk_sizes: tuple[int, ...], accum: str, slab_form: str = "logits") -> list[Method]:
+    """Our loss at each of ``chunk_sizes`` and at one chunk of all rows, on ``slab_form``'s slab, with ``accum``'s
+    grad_weight accumulation: the rows ``ours_chunk{N}_{accum}`` / ``ours_one_chunk_{accum}`` (family
+    ``ours fixed``), or ``ours_scaled_exp_chunk{N}_{accum}`` ... (family ``ours fixed scaled-exp``)."""
+    family, prefix = FIXED_FAMILIES[slab_form], "ours_" if slab_form == "logits" else f"ours_{slab_form}_"
+    methods = []
+    for chunk in (*chunk_sizes, None):
+        label = "one_chunk" if chunk is None else f"chunk{chunk}"
+        methods.append(
+            Method(
+                f"{prefix}{label}_{accum}",
+                family,
+                ours(partial(_fixed_for_inputs, chunk, slab_form), _ACCUM_DTYPES[accum]),
+                chunk_size=chunk,
+                accum=accum,
+                plan=partial(_fixed_plan, chunk, slab_form),
+            )
+        )
+    return methods
 
 
 def _vocab_tiled_plan(vocab_chunk: int, problem: Problem, device: DeviceInfo) -> Geometry:
@@ -276,18 +303,7 @@ def default_methods(
                 plan=policy.resolve,
             )
         )
-        for chunk in (*chunk_sizes, None):
-            label = "one_chunk" if chunk is None else f"chunk{chunk}"
-            methods.append(
-                Method(
-                    f"ours_{label}_{accum}",
-                    "ours fixed",
-                    ours(partial(_fixed_for_inputs, chunk), dtype),
-                    chunk_size=chunk,
-                    accum=accum,
-                    plan=partial(_fixed_plan, chunk),
-                )
-            )
+        methods += fixed_chunk_methods(chunk_sizes, accum)
         for c in (1, 16):
             methods.append(
                 Method(

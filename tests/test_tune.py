@@ -6,10 +6,13 @@ slabs are bf16: a row is 512 KiB at V=262144 and 64 KiB at V=32768.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import yaml
 
+from flce_policy.benchmarks.methods import fixed_chunk_methods
 from flce_policy.benchmarks.suite import Record, with_floor_ratios
 from flce_policy.cli import main, tune
 from flce_policy.engine.policy import FLCEPolicy
@@ -40,6 +43,34 @@ def ours(shape, chunk, ms, peak_gib, status="ok"):
 
 def floor(shape, ms):
     return Record(shape, "gemm_floor", "floor", "bf16", median_ms=ms, peak_bytes=0)
+
+
+def as_method(record, method, slowdown=1.0):
+    """``record`` as ``method``'s row (its name and family: a fixed-chunk row on either slab form), its time
+    times ``slowdown``."""
+    ms = None if record.median_ms is None else record.median_ms * slowdown
+    return dataclasses.replace(record, method=method.name, family=method.family, median_ms=ms)
+
+
+def stub_suite(rows, scaled_exp_slowdown):
+    """A run_suite that answers each method with ``rows``' row at its chunk (the floor at None), the scaled-exp
+    rows ``scaled_exp_slowdown`` times slower; the method names it was asked for in ``.calls``."""
+
+    def fake_run_suite(shapes, methods, *, logit_std, warmup, repeats, predict_peak, on_start, on_record):
+        fake_run_suite.calls.append(([m.name for m in methods], logit_std, warmup, repeats))
+        by_chunk = {r.chunk_size: r for r in rows}
+        records = []
+        for method in methods:
+            on_start(shapes[0], method)
+            chunk = None if method.name == "gemm_floor" else predict_peak(method, shapes[0])[0]
+            slowdown = scaled_exp_slowdown if "scaled-exp" in method.family else 1.0
+            record = by_chunk[chunk] if chunk is None else as_method(by_chunk[chunk], method, slowdown)
+            records.append(record)
+            on_record(record)
+        return with_floor_ratios(records)
+
+    fake_run_suite.calls = []
+    return fake_run_suite
 
 
 def gemma_rows(shape=GEMMA, ms_2048=108.5):
@@ -190,7 +221,10 @@ def test_every_other_gpu_keeps_what_the_packaged_policy_picks(tmp_path, problem)
     # The packaged H200 rule is left out (the tuned one, first, would hide it), and the file says so.
     assert [r.match for r in policy.rules].count("H200") == 1
     assert len(policy.rules) == len(packaged.rules)
-    assert "# the tuned rule replaces the packaged rule match H200 -> SlabBudget(max_slab='2GiB')" in text
+    assert (
+        "# the tuned rule replaces the packaged rule match H200 -> "
+        "ScaledExp(inner={'strategy': 'slab_budget', 'max_slab': '2GiB'})" in text
+    )
 
 
 def test_without_the_packaged_rules_the_file_says_other_gpus_get_the_default(tmp_path):
@@ -281,28 +315,13 @@ def test_without_cuda_it_says_so(tmp_path, capsys, monkeypatch):
 
 
 def test_gpu_run_glue_with_a_stubbed_suite(tmp_path, capsys, monkeypatch):
-    """Per shape: the floor and our fixed rows from 256 rows to one chunk; the file written loads."""
+    """Per shape: the floor and our fixed rows from 256 rows to one chunk, on both slab forms on an H200; the
+    scaled-exp slab 5% slower than the logits slab is not written; the file written loads."""
     from flce_policy.benchmarks import suite
     from flce_policy.engine import probe
 
-    times = {256: 145.0, 512: 125.0, 1024: 115.0, 2048: 108.5, 4096: 106.5, 8192: 106.3}
-    peaks = {256: 3.2, 512: 3.3, 1024: 3.45, 2048: 3.7, 4096: 4.7, 8192: 6.7}
-    calls = []
-
-    def fake_run_suite(shapes, methods, *, logit_std, warmup, repeats, predict_peak, on_start, on_record):
-        calls.append(([m.name for m in methods], logit_std, warmup, repeats))
-        records = []
-        for shape in shapes:
-            for method in methods:
-                on_start(shape, method)
-                chunk, _ = predict_peak(method, shape)
-                if method.name == "gemm_floor":
-                    record = floor(shape, 100.0)
-                else:
-                    record = ours(shape, chunk, times[chunk], peaks[chunk])
-                records.append(record)
-                on_record(record)
-        return with_floor_ratios(records)
+    fake_run_suite = stub_suite(gemma_rows(), scaled_exp_slowdown=1.05)
+    calls = fake_run_suite.calls
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(probe, "probe_device", lambda index=None: H200)
@@ -315,6 +334,8 @@ def test_gpu_run_glue_with_a_stubbed_suite(tmp_path, capsys, monkeypatch):
         "gemm_floor",
         *(f"ours_chunk{n}_bf16" for n in (256, 512, 1024, 2048, 4096)),
         "ours_one_chunk_bf16",
+        *(f"ours_scaled_exp_chunk{n}_bf16" for n in (256, 512, 1024, 2048, 4096)),
+        "ours_scaled_exp_one_chunk_bf16",
     ]
     assert calls == [(expected_rows, 4.0, 2, 6)]
     policy = FLCEPolicy.from_yaml(out)
@@ -442,15 +463,9 @@ def test_json_reports_what_was_written_and_measured(tmp_path, capsys, monkeypatc
     from flce_policy.benchmarks import suite
     from flce_policy.engine import probe
 
-    def fake_run_suite(shapes, methods, *, logit_std, warmup, repeats, predict_peak, on_start, on_record):
-        by_chunk = {r.chunk_size: r for r in gemma_rows()}
-        return with_floor_ratios(
-            [by_chunk[predict_peak(m, shapes[0])[0] if m.name != "gemm_floor" else None] for m in methods]
-        )
-
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(probe, "probe_device", lambda index=None: H200)
-    monkeypatch.setattr(suite, "run_suite", fake_run_suite)
+    monkeypatch.setattr(suite, "run_suite", stub_suite(gemma_rows(), scaled_exp_slowdown=1.05))
     out = tmp_path / "h200.yaml"
     argv = ["tune", "--shapes", "8192x5376x262144", "--max-peak", "5GiB", "--out", str(out), "--json"]
     assert main(argv) == 0
@@ -464,7 +479,9 @@ def test_json_reports_what_was_written_and_measured(tmp_path, capsys, monkeypatc
     assert data["limits"] == {"max_peak": 5 * GIB, "max_slab": None}
     assert data["chosen_max_slab"] == GIB and data["within_tolerance"] is True
     assert data["changed_families"] == ["H200"]
-    assert [r["chunk_size"] for r in data["records"]] == [None, 256, 512, 1024, 2048, 4096, 8192]
+    assert data["chosen_slab_form"] == "logits"
+    chunks = [256, 512, 1024, 2048, 4096, 8192]
+    assert [r["chunk_size"] for r in data["records"]] == [None, *chunks, *chunks]
     assert f"wrote {out}" in err  # the messages stay on stderr
 
 
@@ -509,3 +526,76 @@ def test_a_grad_weight_filter_is_written_into_the_tuned_rule(tmp_path):
     assert policy.rules[0].grad_weight_filter == 2.0**-12
     assert policy.resolve(Problem(*GEMMA), H200).grad_weight_filter == 2.0**-12
     assert "tune does not measure the filter" in text
+
+
+# --- the slab form ------------------------------------------------------------------------------------
+
+
+def _tune_h200(tmp_path, capsys, monkeypatch, device, slowdown, *extra):
+    from flce_policy.benchmarks import suite
+    from flce_policy.engine import probe
+
+    fake_run_suite = stub_suite(gemma_rows(), scaled_exp_slowdown=slowdown)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(probe, "probe_device", lambda index=None: device)
+    monkeypatch.setattr(suite, "run_suite", fake_run_suite)
+    out = tmp_path / "tuned.yaml"
+    code = main(["tune", "--shapes", "8192x5376x262144", "--max-peak", "5GiB", "--out", str(out), *extra])
+    _, err = capsys.readouterr()
+    assert code == 0, err
+    return out, err, fake_run_suite.calls
+
+
+def test_the_scaled_exp_slab_is_written_when_its_pick_runs_within_2_percent(tmp_path, capsys, monkeypatch):
+    out, err, _ = _tune_h200(tmp_path, capsys, monkeypatch, H200, 1.01)
+    text = out.read_text()
+    assert FLCEPolicy.from_yaml(out).rules[0].to_config() == {
+        "match": "H200",
+        "strategy": "scaled_exp",
+        "inner": {"strategy": "slab_budget", "max_slab": "1GiB"},
+    }
+    assert f"wrote {out}: match H200 -> scaled_exp around slab_budget max_slab 1GiB" in err
+    assert "# on the logits slab:" in text and "# on the scaled_exp slab:" in text
+    assert (
+        "chosen: max_slab 1GiB, the smallest slab within 2% of every shape's fastest time, on the scaled_exp slab"
+        in text
+    )
+    assert "8192x5376x262144: scaled-exp pick (max_slab 1GiB) 1.010x the logits pick's time (max_slab 1GiB)" in text
+
+
+def test_a_scaled_exp_slab_over_2_percent_slower_is_not_written_and_fastest_follows(tmp_path, capsys, monkeypatch):
+    out, err, _ = _tune_h200(tmp_path, capsys, monkeypatch, H200, 1.03, "--strategy", "fastest")
+    rule = FLCEPolicy.from_yaml(out).rules[0].to_config()
+    assert rule["strategy"] == "fastest"
+    assert "1.030x the logits pick's time" in out.read_text()
+    out, err, _ = _tune_h200(tmp_path, capsys, monkeypatch, H200, 0.99, "--strategy", "fastest")
+    rule = FLCEPolicy.from_yaml(out).rules[0].to_config()
+    assert rule["strategy"] == "scaled_exp" and rule["inner"]["strategy"] == "fastest"
+
+
+def test_before_hopper_only_the_logits_slab_is_measured(tmp_path, capsys, monkeypatch):
+    out, err, calls = _tune_h200(tmp_path, capsys, monkeypatch, DeviceInfo.synthetic("A100"), 1.0)
+    assert not any("scaled_exp" in name for names, *_ in calls for name in names)
+    assert FLCEPolicy.from_yaml(out).rules[0].to_config()["strategy"] == "slab_budget"
+    assert "scaled_exp slab" not in out.read_text()
+
+
+def test_the_slab_form_is_chosen_over_every_shape():
+    """Within 2% at one shape and not at the other: the logits slab, whose choice holds for both."""
+    methods = {m.chunk_size: m for m in fixed_chunk_methods((256, 512, 1024, 2048, 4096), "bf16", "scaled_exp")}
+    small_methods = {m.chunk_size: m for m in fixed_chunk_methods((256, 512, 1024, 2048), "bf16", "scaled_exp")}
+
+    def scaled(rows, by_chunk, slowdown):
+        return [as_method(r, by_chunk[None if r.chunk_size == r.shape[0] else r.chunk_size], slowdown)
+                for r in rows if r.family == "ours fixed"]  # fmt: skip
+
+    records = [*gemma_rows(), *small_rows()]
+    limits = tune.Limits(max_peak=5 * GIB)
+    logits = tune.choose(records, limits, device=H200)
+    near = [*scaled(gemma_rows(), methods, 1.01), *scaled(small_rows(), small_methods, 1.01)]
+    far = [*scaled(gemma_rows(), methods, 1.01), *scaled(small_rows(), small_methods, 1.05)]
+    for extra, form in ((near, "scaled_exp"), (far, "logits")):
+        scaled_choice = tune.choose([*records, *extra], limits, device=H200, slab_form="scaled_exp")
+        assert scaled_choice.slab_form == "scaled_exp"
+        assert tune.choose_slab_form(logits, scaled_choice).slab_form == form
+    assert tune.choose_slab_form(logits, None) is logits

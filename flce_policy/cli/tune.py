@@ -5,6 +5,12 @@ of two from 256 rows up to one chunk of all BT rows, fwd+bwd, timed and with the
 over the inputs by :mod:`flce_policy.benchmarks.suite`. A row *fits* when its measured peak is within ``--max-peak``
 and its slab within ``--max-slab``.
 
+On a GPU that runs the scaled-exp slab (Hopper or later; :mod:`flce_policy.plan.scaled_exp`) the same
+chunk sizes are measured on that slab too, and a max_slab chosen for it the same way. The rule is then
+``scaled_exp`` around the slab_budget when at every shape its pick runs within :data:`TOLERANCE` of the
+logits slab's pick: within the noise it costs nothing, and its gradients are 2-4x closer to fp32
+(docs/results.md, Small heads).
+
 One ``max_slab`` serves every shape (a ``slab_budget`` rule picks per shape from it): of the
 slabs of fitting rows, the smallest at which every shape runs a measured, fitting chunk within
 :data:`TOLERANCE` (2%) of that shape's fastest fitting time; when no slab manages that, the one
@@ -42,15 +48,17 @@ from flce_policy.benchmarks.cli import (
     run_command,
     shape_arg,
 )
+from flce_policy.benchmarks.methods import FIXED_FAMILIES
 from flce_policy.benchmarks.suite import Record, format_shape
 from flce_policy.engine.policy import DeviceRule, FLCEPolicy
 from flce_policy.plan.cost_model import DeviceRates, fit_rates, predict_seconds, rate_coefficients, rates_for
-from flce_policy.plan.device import DeviceInfo
+from flce_policy.plan.device import TMA_COMPUTE_CAPABILITY, DeviceInfo
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.problem import Problem
+from flce_policy.plan.scaled_exp import scaled_exp_unsupported
 from flce_policy.plan.units import exact_size, format_bytes, parse_bytes
 from flce_policy.plan.weight_filter import checked_filter_eps
-from flce_policy.strategies import ChunkStrategy, Fastest, SlabBudget, StrategyError
+from flce_policy.strategies import ChunkStrategy, Fastest, ScaledExp, SlabBudget, StrategyError
 
 __all__ = [
     "TOLERANCE",
@@ -59,6 +67,8 @@ __all__ = [
     "Choice",
     "chunk_sizes_for",
     "choose",
+    "choose_slab_form",
+    "slab_forms_for",
     "rule_match",
     "tuned_policy",
     "calibrate",
@@ -73,7 +83,8 @@ Shape = tuple[int, int, int]
 TOLERANCE = 0.02
 #: The smallest chunk measured; below it the GEMMs fall far from their floor (1.45x at 256 rows).
 SMALLEST_CHUNK = 256
-_OURS_FIXED = "ours fixed"  # the Method.family of FixedChunkSize rows
+#: The slab form of each family of fixed-chunk rows (the benchmark's FIXED_FAMILIES, reversed).
+_FORM_OF_FAMILY = {family: form for form, family in FIXED_FAMILIES.items()}
 
 
 class Limits(NamedTuple):
@@ -93,12 +104,14 @@ class Limits(NamedTuple):
 
 @dataclass(frozen=True)
 class Choice:
-    """The chosen ``max_slab``, the row it runs at each shape, and each shape's fastest fitting row."""
+    """The chosen ``max_slab``, the row it runs at each shape, and each shape's fastest fitting row, on one
+    slab form (``"logits"`` or ``"scaled_exp"``)."""
 
     max_slab: int
     picks: dict[Shape, Record]
     fastest: dict[Shape, Record]
     within_tolerance: bool  # False when no slab came within TOLERANCE at every shape
+    slab_form: str = "logits"
 
     def ratio(self, shape: Shape) -> float:
         """The pick's time over the fastest fitting time at ``shape``."""
@@ -112,6 +125,15 @@ def chunk_sizes_for(tokens: int) -> tuple[int, ...]:
         sizes.append(chunk)
         chunk *= 2
     return tuple(sizes)
+
+
+def slab_forms_for(shape: Shape, device: DeviceInfo, dtype: str = "bfloat16") -> tuple[str, ...]:
+    """The slab forms to measure at ``shape``: the logits slab, and the scaled-exp slab where the GPU and the
+    problem run it."""
+    capable = device.compute_capability is not None and device.compute_capability >= TMA_COMPUTE_CAPABILITY
+    if capable and scaled_exp_unsupported(Problem(*shape, dtype=dtype), shape[2]) is None:
+        return ("logits", "scaled_exp")
+    return ("logits",)
 
 
 def slab_bytes(record: Record, dtype: str = "bfloat16") -> int:
@@ -137,11 +159,15 @@ def choose(
     device: DeviceInfo,
     dtype: str = "bfloat16",
     tolerance: float = TOLERANCE,
+    slab_form: str = "logits",
 ) -> Choice:
-    """The ``max_slab`` to write (see the module docstring); ValueError when no slab can be chosen."""
-    rows = _ours_by_shape(records)
+    """The ``max_slab`` to write for ``slab_form``'s rows (see the module docstring); ValueError when no slab
+    can be chosen."""
+    rows = _ours_by_shape(records, slab_form)
     if not rows:
-        raise ValueError("no FixedChunkSize rows of ours among the records: nothing to choose from")
+        raise ValueError(
+            f"no FixedChunkSize rows of ours on the {slab_form} slab among the records: nothing to choose from"
+        )
     fitting = {
         shape: {r.chunk_size: r for r in shape_rows if why_not(r, limits, dtype) is None}
         for shape, shape_rows in rows.items()
@@ -163,13 +189,26 @@ def choose(
         )
     within = [o for o in options if o[0] <= 1 + tolerance]
     _, slab, picks = within[0] if within else min(options, key=lambda o: (o[0], o[1]))
-    return Choice(slab, picks, fastest, bool(within))
+    return Choice(slab, picks, fastest, bool(within), slab_form)
 
 
-def _ours_by_shape(records: Iterable[Record]) -> dict[Shape, list[Record]]:
+def choose_slab_form(logits: Choice, scaled_exp: Choice | None, tolerance: float = TOLERANCE) -> Choice:
+    """``scaled_exp`` when it was measured and its pick runs within ``tolerance`` of the logits slab's pick at
+    every shape (the same time within the noise, and more accurate gradients), else ``logits``."""
+    if scaled_exp is None or set(scaled_exp.picks) != set(logits.picks):
+        return logits
+    if all(
+        scaled_exp.picks[s].median_ms <= (1 + tolerance) * logits.picks[s].median_ms  # type: ignore[operator]
+        for s in logits.picks
+    ):
+        return scaled_exp
+    return logits
+
+
+def _ours_by_shape(records: Iterable[Record], slab_form: str = "logits") -> dict[Shape, list[Record]]:
     rows: dict[Shape, list[Record]] = {}
     for record in records:
-        if record.family == _OURS_FIXED:
+        if record.family == FIXED_FAMILIES[slab_form]:
             rows.setdefault(record.shape, []).append(record)
     return {shape: sorted(rs, key=lambda r: r.chunk_size or 0) for shape, rs in rows.items()}
 
@@ -220,8 +259,9 @@ def calibrate(records: Iterable[Record], device: DeviceInfo, *, dtype: str = "bf
         if record.family == "floor":
             tokens, hidden, vocab = record.shape
             samples.append((6.0 * tokens * hidden * vocab, 0.0, record.median_ms / 1e3))
-        elif record.family == _OURS_FIXED and record.chunk_size:
-            geometry = Geometry.for_problem(Problem(*record.shape, dtype=dtype), record.chunk_size)
+        elif record.family in _FORM_OF_FAMILY and record.chunk_size:
+            form = _FORM_OF_FAMILY[record.family]
+            geometry = Geometry.for_problem(Problem(*record.shape, dtype=dtype), record.chunk_size, slab_form=form)
             accum_dtype = "float32" if record.accum == "fp32" else None
             samples.append((*rate_coefficients(geometry, accum_dtype=accum_dtype), record.median_ms / 1e3))
             rows.append((geometry, accum_dtype, record.median_ms / 1e3))
@@ -239,13 +279,14 @@ def tuned_policy(
     packaged_rules: bool = True,
     grad_weight_filter: float | None = None,
 ) -> FLCEPolicy:
-    """One rule for ``device`` (``strategy``, or by default a slab_budget at the chosen slab; with
-    ``grad_weight_filter``, that eps as the rule's filter), then with ``packaged_rules`` the packaged
-    rules it leaves reachable, and the packaged default strategy and OOM settings."""
+    """One rule for ``device`` (``strategy``, or by default a slab_budget at the chosen slab, around which
+    ``scaled_exp`` when the choice is on that slab; with ``grad_weight_filter``, that eps as the rule's filter),
+    then with ``packaged_rules`` the packaged rules it leaves reachable, and the packaged default strategy and
+    OOM settings."""
     packaged = FLCEPolicy.packaged()
     rule = DeviceRule(
         rule_match(device),
-        strategy or SlabBudget(exact_size(choice.max_slab)),
+        strategy or on_slab_form(SlabBudget(exact_size(choice.max_slab)), choice.slab_form),
         grad_weight_filter=grad_weight_filter,
     )
     others = [r for r in packaged.rules if not _superseded(r, rule.match)] if packaged_rules else []
@@ -256,6 +297,11 @@ def tuned_policy(
         min_chunk_size=packaged.min_chunk_size,
         source="flce-policy tune",
     )
+
+
+def on_slab_form(strategy: ChunkStrategy, slab_form: str) -> ChunkStrategy:
+    """``strategy``, wrapped in ``scaled_exp`` for that slab form."""
+    return ScaledExp(strategy) if slab_form == "scaled_exp" else strategy
 
 
 def _superseded(packaged: DeviceRule, tuned_match: str) -> bool:
@@ -293,33 +339,33 @@ def render(
     strategy: ChunkStrategy | None = None,
     packaged_rules: bool = True,
     grad_weight_filter: float | None = None,
+    other: Choice | None = None,
 ) -> str:
-    """The policy file: ``about`` and the measurements as comments, then :func:`tuned_policy` as YAML."""
+    """The policy file: ``about`` and the measurements as comments, then :func:`tuned_policy` as YAML.
+    ``other``: the choice on the slab form not written, when both were measured and chosen from."""
     floors = {r.shape: r.median_ms for r in records if r.family == "floor" and r.median_ms}
-    slab_text = exact_size(choice.max_slab)
+    forms = [form for form in FIXED_FAMILIES if _ours_by_shape(records, form)]
     lines = [f"flce-policy tune on {device.describe()}", *about, f"limits: {limits.describe()}", ""]
-    for shape, rows in _ours_by_shape(records).items():
-        problem = Problem(*shape, dtype=dtype)
-        row_bytes = problem.vocab * problem.itemsize
-        floor = f"; three-GEMM floor {floors[shape]:.3f} ms" if shape in floors else ""
-        lines.append(f"{format_shape(shape)} (a row of logits is {format_bytes(row_bytes)}{floor}):")
-        lines.append(f"  {'chunk':>6} {'ms':>10} {'x floor':>8} {'peak':>11} {'slab':>11}")
-        for r in rows:
-            lines.append(_row_line(r, choice, limits, dtype))
-        pick = choice.picks[shape]
-        lines.append(
-            f"  max_slab {slab_text} runs {pick.chunk_size} rows here: {choice.ratio(shape):.3f}x the fastest that fits"
-        )
-        lines.append("")
-    if choice.within_tolerance:
-        lines.append(
-            f"chosen: max_slab {slab_text}, the smallest slab within {TOLERANCE:.0%} of every shape's fastest time"
-        )
-    else:
-        worst = max(choice.ratio(s) for s in choice.picks)
-        lines.append(
-            f"chosen: max_slab {slab_text}; none is within {TOLERANCE:.0%} at every shape, it is closest ({worst:.3f}x)"
-        )
+    for form in forms:
+        on_form = choice if choice.slab_form == form else other if other and other.slab_form == form else None
+        if len(forms) > 1:
+            lines += [f"on the {form} slab:", ""]
+        for shape, rows in _ours_by_shape(records, form).items():
+            problem = Problem(*shape, dtype=dtype)
+            row_bytes = problem.vocab * problem.itemsize
+            floor = f"; three-GEMM floor {floors[shape]:.3f} ms" if shape in floors else ""
+            lines.append(f"{format_shape(shape)} (a row of logits is {format_bytes(row_bytes)}{floor}):")
+            lines.append(f"  {'chunk':>6} {'ms':>10} {'x floor':>8} {'peak':>11} {'slab':>11}")
+            for r in rows:
+                lines.append(_row_line(r, on_form, limits, dtype))
+            if on_form is not None:
+                pick = on_form.picks[shape]
+                lines.append(
+                    f"  max_slab {exact_size(on_form.max_slab)} runs {pick.chunk_size} rows here: "
+                    f"{on_form.ratio(shape):.3f}x the fastest that fits"
+                )
+            lines.append("")
+    lines += _chosen_lines(choice, other)
     if strategy is not None:
         lines.append(f"written: {strategy!r} (the measured choice above is for comparison)")
     if grad_weight_filter is not None:
@@ -333,15 +379,45 @@ def render(
     return comments + rules.to_yaml()
 
 
-def _row_line(r: Record, choice: Choice, limits: Limits, dtype: str) -> str:
+def _chosen_lines(choice: Choice, other: Choice | None) -> list[str]:
+    """What was chosen, and against the other slab form's choice when there is one."""
+    slab_text = exact_size(choice.max_slab)
+    if choice.within_tolerance:
+        lines = [
+            f"chosen: max_slab {slab_text}, the smallest slab within {TOLERANCE:.0%} of every shape's fastest time"
+        ]
+    else:
+        worst = max(choice.ratio(s) for s in choice.picks)
+        lines = [
+            f"chosen: max_slab {slab_text}; none is within {TOLERANCE:.0%} at every shape, it is closest ({worst:.3f}x)"
+        ]
+    if other is None:
+        return lines
+    lines[0] += f", on the {choice.slab_form} slab"
+    scaled, logits = (choice, other) if choice.slab_form == "scaled_exp" else (other, choice)
+    for shape in logits.picks:
+        if shape in scaled.picks:
+            ratio = scaled.picks[shape].median_ms / logits.picks[shape].median_ms  # type: ignore[operator]
+            lines.append(
+                f"  {format_shape(shape)}: scaled-exp pick (max_slab {exact_size(scaled.max_slab)}) {ratio:.3f}x the "
+                f"logits pick's time (max_slab {exact_size(logits.max_slab)})"
+            )
+    lines.append(
+        f"the scaled-exp slab is written when its pick is within {TOLERANCE:.0%} of the logits slab's at every shape "
+        "(its gradients are 2-4x closer to fp32)"
+    )
+    return lines
+
+
+def _row_line(r: Record, choice: Choice | None, limits: Limits, dtype: str) -> str:
     ms = "-" if r.median_ms is None else f"{r.median_ms:.3f}"
     x_floor = "-" if r.x_floor is None else f"{r.x_floor:.3f}x"
     peak = "-" if r.peak_bytes is None else format_bytes(r.peak_bytes)
     slab = "-" if r.chunk_size is None else format_bytes(slab_bytes(r, dtype))
     notes = []
-    if choice.fastest.get(r.shape) is r:
+    if choice is not None and choice.fastest.get(r.shape) is r:
         notes.append("fastest that fits")
-    if choice.picks.get(r.shape) is r:
+    if choice is not None and choice.picks.get(r.shape) is r:
         notes.append("chosen")
     reason = why_not(r, limits, dtype)
     if reason is not None:
@@ -457,10 +533,18 @@ def run(args: argparse.Namespace) -> int:
     limits = Limits(args.max_peak, args.max_slab)
     records = _measure(expand_shapes(args.shapes), device, args)
     try:
-        choice = choose(records, limits, device=device)
+        logits = choose(records, limits, device=device)
     except ValueError as err:  # nothing measured fits the limits given
         raise UsageError(str(err)) from None
     about = _about(args)
+    scaled_exp = None
+    if _ours_by_shape(records, "scaled_exp"):
+        try:
+            scaled_exp = choose(records, limits, device=device, slab_form="scaled_exp")
+        except ValueError as err:
+            about.append(f"the scaled-exp slab: nothing chosen ({err})")
+    choice = choose_slab_form(logits, scaled_exp)
+    other = scaled_exp if choice is logits else logits
     strategy, rates = None, None
     try:
         rates, worst = calibrate(records, device)
@@ -470,19 +554,21 @@ def run(args: argparse.Namespace) -> int:
             f"worst |model/measured - 1| {worst:.1%}"
         )
         if args.strategy == "fastest":
-            strategy = _fastest(rates, limits, args.accum)
+            strategy = on_slab_form(_fastest(rates, limits, args.accum), choice.slab_form)
     except ValueError as err:
         if args.strategy == "fastest":
             raise UsageError(f"cannot calibrate the cost model for --strategy fastest: {err}") from None
         about.append(f"cost model not calibrated: {err}")
     text = render(
         choice, records, limits, device=device, about=about, strategy=strategy, packaged_rules=args.packaged_rules,
-        grad_weight_filter=args.grad_weight_filter,
+        grad_weight_filter=args.grad_weight_filter, other=other if scaled_exp is not None else None,
     )  # fmt: skip
     policy = FLCEPolicy.from_yaml_text(text, source=str(out))  # what is written must load; a failure is a bug
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text, encoding="utf-8")
     written = f"{strategy!r}" if strategy is not None else f"slab_budget max_slab {exact_size(choice.max_slab)}"
+    if strategy is None and choice.slab_form == "scaled_exp":
+        written = f"scaled_exp around {written}"
     print(
         f"wrote {out}: match {rule_match(device)} -> {written}; "
         f"check it with `flce-policy validate {out}`, use it with FLCE_POLICY_CONFIG={out}",
@@ -511,6 +597,7 @@ def _summary(
         "rule": policy.rules[0].to_config(),
         "limits": limits._asdict(),
         "chosen_max_slab": choice.max_slab,
+        "chosen_slab_form": choice.slab_form,
         "within_tolerance": choice.within_tolerance,
         "calibrated_rates": None
         if rates is None
@@ -554,16 +641,16 @@ def _fastest(rates: DeviceRates, limits: Limits, accum: str) -> Fastest:
 
 def _measure(shapes: list[Shape], device: DeviceInfo, args: argparse.Namespace) -> list[Record]:
     from flce_policy.benchmarks import suite
-    from flce_policy.benchmarks.methods import FLOOR, default_methods, predicted_peak
+    from flce_policy.benchmarks.methods import FLOOR, default_methods, fixed_chunk_methods, predicted_peak
     from flce_policy.benchmarks.progress import SuiteProgress
 
     plans = []
     for shape in shapes:
-        # The packaged-default rows are left out, so no policy file is read: an empty policy will do.
-        methods = default_methods(chunk_sizes_for(shape[0]), policy=FLCEPolicy())
-        plans.append(
-            (shape, [m for m in methods if m.name == FLOOR or (m.family == _OURS_FIXED and m.accum == args.accum)])
-        )
+        floor = next(m for m in default_methods(policy=FLCEPolicy()) if m.name == FLOOR)  # no policy file read
+        methods = [floor]
+        for form in slab_forms_for(shape, device):
+            methods += fixed_chunk_methods(chunk_sizes_for(shape[0]), args.accum, form)
+        plans.append((shape, methods))
     records: list[Record] = []
     with SuiteProgress(sum(len(methods) for _, methods in plans)) as progress:
         for shape, methods in plans:
