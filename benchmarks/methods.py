@@ -261,20 +261,22 @@ def _vocab_tiled_for_inputs(vocab_chunk: int, inputs: Inputs) -> Geometry:
     return _vocab_tiled_plan(vocab_chunk, problem, DeviceInfo.cpu())
 
 
-def scaled_exp_policy(policy: Any) -> Any:
-    """``policy`` with every rule's strategy (and the default's) wrapped in ``scaled_exp``, where it is not already."""
+def scaled_exp_policy(policy: Any, *, rows: bool = False) -> Any:
+    """``policy`` with every rule's strategy (and the default's) wrapped in ``scaled_exp`` where it is not already,
+    each with ``rows`` (the row-scaled form where the call allows)."""
     from flce_policy import FLCEPolicy
     from flce_policy.engine.config import RULE_KEYS
 
     rule_only = set(RULE_KEYS) - {"strategy"}  # the rest of an entry is its strategy's
     config = policy.to_dict()
     for entry in (config["default"], *config["devices"]):
-        if entry.get("strategy") == "scaled_exp":
-            continue  # on the scaled-exp slab already (the packaged H200 rule)
-        inner = {key: entry.pop(key) for key in list(entry) if key not in rule_only}
-        entry["strategy"] = "scaled_exp"
-        entry["inner"] = inner
-    return FLCEPolicy.from_dict(config, source=f"{policy.source}, each strategy on the scaled-exp slab")
+        if entry.get("strategy") != "scaled_exp":  # (the packaged H200 rule is already)
+            inner = {key: entry.pop(key) for key in list(entry) if key not in rule_only}
+            entry["strategy"] = "scaled_exp"
+            entry["inner"] = inner
+        entry["rows"] = rows
+    form = "the row-scaled form" if rows else "the scaled-exp slab"
+    return FLCEPolicy.from_dict(config, source=f"{policy.source}, each strategy on {form}")
 
 
 def default_methods(
@@ -356,17 +358,19 @@ def default_methods(
     )
     # The scaled-exp slab (issue 25) at the default policy's chunks (each rule's strategy wrapped), with bf16 and
     # fp32 grad_weight accumulation (the target's one-hot term goes beside an fp32 one: kernels/target_grad.py)
-    scaled_exp = scaled_exp_policy(policy)
-    for accum, dtype in _ACCUM_DTYPES.items():
-        methods.append(
-            Method(
-                f"ours_scaled_exp_{accum}",
-                "ours scaled-exp",
-                ours(lambda _inputs: scaled_exp, dtype),
-                accum=accum,
-                plan=scaled_exp.resolve,
+    # (and _rows: its row-scaled form where the call allows, no CE pass over the slab)
+    for suffix, rows in (("", False), ("_rows", True)):
+        scaled_exp = scaled_exp_policy(policy, rows=rows)
+        for accum, dtype in _ACCUM_DTYPES.items():
+            methods.append(
+                Method(
+                    f"ours_scaled_exp{suffix}_{accum}",
+                    "ours scaled-exp",
+                    ours(lambda _inputs, scaled_exp=scaled_exp: scaled_exp, dtype),
+                    accum=accum,
+                    plan=scaled_exp.resolve,
+                )
             )
-        )
     # grad_weight_filter (issue 26): the default policy, grad_weight skipping the tiles below 2^-12 / 2^-16
     for exponent in FILTER_EXPONENTS:
         eps = 2.0**-exponent

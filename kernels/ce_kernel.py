@@ -83,8 +83,12 @@ def ce_workspace(
     best_index = torch.empty((rows, slots), dtype=torch.int32, device=device)
     if not scaled_exp:
         return CEWorkspace(block_v, segments, segment_len, slots, partials, best_index)
-    target_coef = torch.empty(rows, dtype=torch.float32, device=device)
-    return CEWorkspace(block_v, segments, segment_len, slots, partials, best_index, SCALED_EXP_TILE, target_coef)
+    target_coef, row_shift, row_scale = torch.empty((3, rows), dtype=torch.float32, device=device)
+    redo = torch.empty(1, dtype=torch.int32, device=device)
+    return CEWorkspace(
+        block_v, segments, segment_len, slots, partials, best_index, SCALED_EXP_TILE, target_coef, row_shift,
+        row_scale, redo,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -272,7 +276,14 @@ def _ce_finish_kernel(
     FLAG_COLS: tl.constexpr = 128,
     SCALED_EXP_TILE: tl.constexpr = 0,
     target_coef_ptr=None,
+    row_scale_ptr=None,
+    redo_ptr=None,
+    ROW_SCALED: tl.constexpr = False,
+    REDO_ONLY: tl.constexpr = False,
 ):
+    if REDO_ONLY:  # the per-tile pass of a row-scaled chunk: only where the GEMM flagged the chunk
+        if tl.load(redo_ptr) == 0:
+            return
     # Walk the programs in the reverse of the partial kernel's order: the segments it read last
     # are the ones still in L2, so the second read of the slab starts with cache hits.
     row = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)
@@ -295,9 +306,13 @@ def _ce_finish_kernel(
         if WRITE_GRAD:
             if SCALED_EXP_TILE and segment == 0:
                 tl.store(target_coef_ptr + row, 0.0)
-            for start in range(col_start, col_stop, BLOCK_V):
-                offs = start + cols
-                tl.store(row_ptr + offs, tl.zeros([BLOCK_V], dtype=row_ptr.dtype.element_ty), mask=offs < col_stop)
+                if row_scale_ptr is not None:
+                    tl.store(row_scale_ptr + row, 0.0)
+            if not ROW_SCALED:  # (the row-scaled slab holds zeros there already, and its scale is 0)
+                for start in range(col_start, col_stop, BLOCK_V):
+                    offs = start + cols
+                    zero = tl.zeros([BLOCK_V], dtype=row_ptr.dtype.element_ty)
+                    tl.store(row_ptr + offs, zero, mask=offs < col_stop)
                 if FILTER:  # an ignored row's gradient is 0: nothing of it reaches grad_weight
                     keep = tl.zeros([BLOCK_V], dtype=tl.int32)
                     store_flags(
@@ -368,54 +383,61 @@ def _ce_finish_kernel(
                 # the slab, that entry (~ -1 on unconfident rows) carries most of a bf16 gradient's error.
                 if segment == 0:
                     tl.store(target_coef_ptr + row, coef_y)
+                    if ROW_SCALED:  # the slab holds exp(z - m) with m the row's shift: the gradient is f * that
+                        tl.store(row_scale_ptr + row, coef_p * tl.exp(m - lse))
+                    elif row_scale_ptr is not None:  # a redone chunk: the slab will hold the gradient itself
+                        tl.store(row_scale_ptr + row, 1.0)
                 coef_y = 0.0
-            for start in range(col_start, col_stop, BLOCK_V):
-                offs = start + cols
-                mask = offs < col_stop
-                if SCALED_EXP_TILE:
-                    # the slab holds exp(z - m) of each column tile: p = that * exp(m - lse)
-                    m_tile = tl.load(partials_ptr + row * NUM_SLOTS + offs // SCALED_EXP_TILE, mask=mask, other=0.0)
-                    p = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.exp(m_tile - lse)
-                else:
-                    z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                    if HAS_SOFTCAP:
-                        z, t = _softcap_zt(z, softcap, row_ptr.dtype.element_ty, ROUND_SOFTCAP)
-                    p = tl.exp(z - lse)
-                grad = coef_p * p
-                grad = tl.where(offs == local_target, grad - coef_y, grad)
-                if FILTER:
-                    # The skip rule reads the per-token |p_c - [c == y]|, before every scale of the row (the
-                    # reduction's, grad_output, class weight, token scaling, z-loss, smoothing, softcap's
-                    # chain rule); the target's column always counts. Off the target |p_c - 0| >= eps is
-                    # z_c - lse >= log(eps): a compare, not a second exp per element.
+            # no pass over a row-scaled slab (the GEMMs scale its rows) but a read for a filter's flags
+            if not ROW_SCALED or FILTER:
+                for start in range(col_start, col_stop, BLOCK_V):
+                    offs = start + cols
+                    mask = offs < col_stop
                     if SCALED_EXP_TILE:
-                        keep = ((p >= filter_eps) | (offs == local_target)) & mask
+                        # the slab holds exp(z - m) of each column tile: p = that * exp(m - lse)
+                        m_tile = tl.load(partials_ptr + row * NUM_SLOTS + offs // SCALED_EXP_TILE, mask=mask, other=0.0)
+                        p = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.exp(m_tile - lse)
                     else:
-                        keep = ((z - lse >= filter_log_eps) | (offs == local_target)) & mask
-                    store_flags(
-                        flags_ptr + row * flag_row_stride, keep, start, col_stop, BLOCK_V, FLAG_GROUPS, FLAG_COLS
-                    )
-                if HAS_SMOOTHING:
-                    if HAS_WEIGHT:
-                        w = tl.load(class_weight_ptr + col_offset + offs, mask=mask, other=0.0)
-                        grad -= scale_ce * eps_over_v * w
-                    else:
-                        grad -= scale_ce * eps_over_v
-                if HAS_SOFTCAP:
-                    if ROUND_SOFTCAP:
-                        # eager autograd's backward of the three ops, each result rounded: the fp32
-                        # gradient cast to the logits' dtype, times softcap, tanh's backward on the
-                        # rounded t, times 1/softcap
-                        dtype = row_ptr.dtype.element_ty
-                        if TANH_GRAD_PER_OP:  # CUDA's tanh_backward: a * (1 - b * b) in the dtype, op by op
-                            dtanh = rounded(1.0 - rounded(t * t, dtype), dtype)
-                        else:  # the CPU's: in fp32
-                            dtanh = 1.0 - t * t
-                        grad = rounded(rounded(rounded(grad, dtype) * softcap, dtype) * dtanh, dtype)
-                        grad = rounded(grad * (1.0 / softcap), dtype)
-                    else:
-                        grad = grad * (1.0 - t * t)
-                tl.store(row_ptr + offs, grad.to(row_ptr.dtype.element_ty), mask=mask)
+                        z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                        if HAS_SOFTCAP:
+                            z, t = _softcap_zt(z, softcap, row_ptr.dtype.element_ty, ROUND_SOFTCAP)
+                        p = tl.exp(z - lse)
+                    grad = coef_p * p
+                    grad = tl.where(offs == local_target, grad - coef_y, grad)
+                    if FILTER:
+                        # The skip rule reads the per-token |p_c - [c == y]|, before every scale of the row (the
+                        # reduction's, grad_output, class weight, token scaling, z-loss, smoothing, softcap's
+                        # chain rule); the target's column always counts. Off the target |p_c - 0| >= eps is
+                        # z_c - lse >= log(eps): a compare, not a second exp per element.
+                        if SCALED_EXP_TILE:
+                            keep = ((p >= filter_eps) | (offs == local_target)) & mask
+                        else:
+                            keep = ((z - lse >= filter_log_eps) | (offs == local_target)) & mask
+                        store_flags(
+                            flags_ptr + row * flag_row_stride, keep, start, col_stop, BLOCK_V, FLAG_GROUPS, FLAG_COLS
+                        )
+                    if HAS_SMOOTHING:
+                        if HAS_WEIGHT:
+                            w = tl.load(class_weight_ptr + col_offset + offs, mask=mask, other=0.0)
+                            grad -= scale_ce * eps_over_v * w
+                        else:
+                            grad -= scale_ce * eps_over_v
+                    if HAS_SOFTCAP:
+                        if ROUND_SOFTCAP:
+                            # eager autograd's backward of the three ops, each result rounded: the fp32
+                            # gradient cast to the logits' dtype, times softcap, tanh's backward on the
+                            # rounded t, times 1/softcap
+                            dtype = row_ptr.dtype.element_ty
+                            if TANH_GRAD_PER_OP:  # CUDA's tanh_backward: a * (1 - b * b) in the dtype, op by op
+                                dtanh = rounded(1.0 - rounded(t * t, dtype), dtype)
+                            else:  # the CPU's: in fp32
+                                dtanh = 1.0 - t * t
+                            grad = rounded(rounded(rounded(grad, dtype) * softcap, dtype) * dtanh, dtype)
+                            grad = rounded(grad * (1.0 / softcap), dtype)
+                        else:
+                            grad = grad * (1.0 - t * t)
+                    if not ROW_SCALED:
+                        tl.store(row_ptr + offs, grad.to(row_ptr.dtype.element_ty), mask=mask)
 
 
 def _flags(
@@ -505,8 +527,14 @@ def ce_finish(
     entropy_rows: torch.Tensor | None = None,
     filter_flags: torch.Tensor | None = None,
     filter_eps: float = 0.0,
+    row_scaled: bool = False,
+    redo: bool = False,
 ) -> None:
     """Pass 2 over one tile, after pass 1 saw every tile: the rows' losses and the tile's gradient.
+
+    On a scaled-exp slab of the row-scaled form (:func:`.scaled_exp.scaled_exp_logits`), ``row_scaled`` writes
+    each row's gradient scale into the workspace instead of a gradient into the slab; ``redo`` is the per-tile
+    pass of such a chunk, run only where its redo flag is set (it writes scales of 1).
 
     ``entropy_rows`` (fp32, written with the losses) receives each row's entropy in nats, 0 where ignored.
     ``filter_flags`` (uint8 ``[>= n, cdiv(tile, FILTER_COLS)]``, with the gradient only) receives per row
@@ -542,6 +570,10 @@ def ce_finish(
         triton.cdiv(n_cols, ws.scaled_exp_tile) if ws.scaled_exp_tile else ws.segments_per_tile,
         SCALED_EXP_TILE=ws.scaled_exp_tile,
         target_coef_ptr=ws.target_coef,
+        row_scale_ptr=ws.row_scale if row_scaled or redo else None,
+        redo_ptr=ws.redo if redo else None,
+        ROW_SCALED=row_scaled,
+        REDO_ONLY=redo,
         HAS_Z_LOSS=z_loss_rows is not None,
         WRITE_LOSS=write_loss,
         WRITE_GRAD=write_grad,
@@ -577,6 +609,8 @@ def ce_rows(
     entropy_rows: torch.Tensor | None = None,
     filter_flags: torch.Tensor | None = None,
     filter_eps: float = 0.0,
+    row_scaled: bool = False,
+    redo: bool = False,
 ) -> None:
     """Per-row loss of ``logits [n, V]`` (fp32 into ``loss_rows [n]``); gradient in place when ``grad_scale``.
 
@@ -589,7 +623,8 @@ def ce_rows(
     each row's loss and gradient by its detached ``p_target``. Nothing is checked here: the driver
     calls it once per chunk. With a ``shard`` (tensor parallel) ``logits`` are this rank's columns
     of the vocabulary: the rows' partials are merged over the group between the two passes, and
-    ``class_weight`` is the whole vocabulary's. ``filter_flags``/``filter_eps``: see :func:`ce_finish`.
+    ``class_weight`` is the whole vocabulary's. ``filter_flags``/``filter_eps``, ``row_scaled``/``redo``: see
+    :func:`ce_finish`.
     """
     shared = dict(
         ignore_index=ignore_index,
@@ -623,5 +658,7 @@ def ce_rows(
         entropy_rows=entropy_rows,
         filter_flags=filter_flags,
         filter_eps=filter_eps,
+        row_scaled=row_scaled,
+        redo=redo,
         **shared,
     )

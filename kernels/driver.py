@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 
 from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.scaled_exp import is_scaled_exp
+from flce_policy.plan.scaled_exp import row_scaled as row_scaled_form
 
 from .ce_kernel import ce_rows, ce_workspace
 from .driver_call import (
@@ -98,10 +100,17 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
     loss_rows, z_loss_rows, argmax_rows, grad_input, grad_weight, grad_bias, entropy_rows = outputs
     tokens, chunk_size = x.shape[0], geometry.chunk_size
     slab = torch.empty((chunk_size, geometry.vocab_chunk), dtype=x.dtype, device=x.device)
-    scaled_exp = geometry.slab_form == "scaled_exp"  # the logits GEMM's epilogue fills the partials
+    scaled_exp = is_scaled_exp(geometry.slab_form)  # the logits GEMM's epilogue fills the partials
     workspace = ce_workspace(
         chunk_size, geometry.vocab_chunk, x.device, entropy=entropy_rows is not None, scaled_exp=scaled_exp
     )
+    # the scaled-exp slab's row-scaled form: no pass rewrites the slab, the backward GEMMs scale its rows
+    row_scaled = (
+        scaled_exp
+        and grads.any
+        and row_scaled_form(geometry.slab_form, bias=bias is not None, label_smoothing=params.label_smoothing)
+    )
+    x_scaled = torch.empty_like(x[:chunk_size]) if row_scaled and grad_weight is not None else None
     weight_t = weight.t()
     scratch = filter_scratch_for(call, chunk_size, geometry.vocab_chunk)  # None: the dense GEMMs
     for index in range(geometry.num_chunks):
@@ -110,44 +119,54 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
         start = index * chunk_size
         stop = min(start + chunk_size, tokens)
         x_chunk, logits = x[start:stop], slab[: stop - start]
-        if scaled_exp:
-            scaled_exp_logits(
-                x_chunk,
-                weight,
-                bias,
-                logits,
-                target[start:stop],
-                workspace,
-                class_weight=class_weight,
-                label_smoothing=params.label_smoothing,
-                track_argmax=argmax_rows is not None,
-                entropy=entropy_rows is not None,
-            )
-        elif bias is None:
-            torch.mm(x_chunk, weight_t, out=logits)
-        else:
-            torch.addmm(bias, x_chunk, weight_t, out=logits)
-        ce_rows(
-            logits,
-            target[start:stop],
-            loss_rows[start:stop],
-            workspace,
-            ignore_index=params.ignore_index,
-            label_smoothing=params.label_smoothing,
-            softcap=params.softcap,
-            round_softcap=params.round_softcap,
-            z_loss_scale=params.z_loss_scale,
-            class_weight=class_weight,
+        chunk_rows = dict(
+            target=target[start:stop],
+            loss_rows=loss_rows[start:stop],
             z_loss_rows=None if z_loss_rows is None else z_loss_rows[start:stop],
             argmax_rows=None if argmax_rows is None else argmax_rows[start:stop],
-            token_scaling=params.token_scaling,
             grad_scale=None if not grads.any else grad_scale[start:stop] if scale_per_row else grad_scale,
-            scale_per_row=scale_per_row,
-            shard=params.shard,
             entropy_rows=None if entropy_rows is None else entropy_rows[start:stop],
-            filter_flags=None if scratch is None else scratch.flags,
-            filter_eps=params.grad_weight_filter or 0.0,
         )
+        # a row-scaled chunk, then the same chunk per tile where a row was out of its range (no tiles otherwise)
+        for redo in (False, True) if row_scaled else (False,):
+            if scaled_exp:
+                scaled_exp_logits(
+                    x_chunk,
+                    weight,
+                    bias,
+                    logits,
+                    chunk_rows["target"],
+                    workspace,
+                    class_weight=class_weight,
+                    label_smoothing=params.label_smoothing,
+                    track_argmax=argmax_rows is not None,
+                    entropy=entropy_rows is not None,
+                    ignore_index=params.ignore_index,
+                    row_scaled=row_scaled and not redo,
+                    redo=redo,
+                )
+            elif bias is None:
+                torch.mm(x_chunk, weight_t, out=logits)
+            else:
+                torch.addmm(bias, x_chunk, weight_t, out=logits)
+            ce_rows(
+                logits,
+                workspace=workspace,
+                ignore_index=params.ignore_index,
+                label_smoothing=params.label_smoothing,
+                softcap=params.softcap,
+                round_softcap=params.round_softcap,
+                z_loss_scale=params.z_loss_scale,
+                class_weight=class_weight,
+                token_scaling=params.token_scaling,
+                scale_per_row=scale_per_row,
+                shard=params.shard,
+                filter_flags=None if scratch is None else scratch.flags,
+                filter_eps=params.grad_weight_filter or 0.0,
+                row_scaled=row_scaled and not redo,
+                redo=redo,
+                **chunk_rows,
+            )
         # a scaled-exp slab's gradient lacks the target's one-hot term: added beside the GEMMs (target_grad)
         target_terms = (
             TargetTerms(target[start:stop], workspace, params.ignore_index) if scaled_exp and grads.any else None
@@ -159,12 +178,17 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
                 None if grad_input is None else grad_input[start:stop],
                 weight,
                 None if target_terms.exact_for(grad_weight) else logits,
+                row_scale=workspace.row_scale[: stop - start] if row_scaled else None,
+                x_chunk=x_chunk,
+                x_scaled=None if x_scaled is None else x_scaled[: stop - start],
             )
+        # the row-scaled slab is the gradient over each row's scale: grad_weight's GEMM takes x_c times it
+        x_operand = x_chunk if x_scaled is None else x_scaled[: stop - start]
         if scratch is not None:
-            filtered_weight_grad(grad_weight, logits, x_chunk, scratch, first=index == 0, grad_bias=grad_bias)
+            filtered_weight_grad(grad_weight, logits, x_operand, scratch, first=index == 0, grad_bias=grad_bias)
         elif grad_weight is not None:
             # The first chunk overwrites (beta=0): no zero-fill of a parameter-sized buffer.
-            accumulate_mm(grad_weight, logits.t(), x_chunk, first=index == 0)
+            accumulate_mm(grad_weight, logits.t(), x_operand, first=index == 0)
         if grad_bias is not None and scratch is None:
             grad_bias += logits.sum(dim=0, dtype=torch.float32)
         if target_terms is not None and target_terms.exact_for(grad_weight):

@@ -28,3 +28,10 @@ class CEWorkspace(NamedTuple):
     #: With a scaled-exp slab: each row's coefficient of the target's one-hot term, which the finish kernel leaves
     #: out of the slab's gradient ([rows] fp32, 0 where ignored; flce_policy.kernels.target_grad applies it).
     target_coef: torch.Tensor | None = None
+    #: With a scaled-exp slab, for its row-scaled form (:mod:`flce_policy.kernels.scaled_exp`): each row's shift
+    #: (its target logit, +inf where ignored; [rows] fp32), its gradient's scale ``f`` (the gradient is
+    #: ``f * slab`` minus the target's term; [rows] fp32), and the chunk's redo flag ([1] int32, 1 when a row's
+    #: logits lie too far above its target's for the shifted exponentials: the chunk is redone per column tile).
+    row_shift: torch.Tensor | None = None
+    row_scale: torch.Tensor | None = None
+    redo: torch.Tensor | None = None

@@ -1,21 +1,29 @@
-"""The logits GEMM with a scaled-exp epilogue: the slab holds ``exp(z - m_tile)``, not the logits.
+"""The logits GEMM with a scaled-exp epilogue: the slab holds exponentials of the logits, not the logits.
 
-One persistent Triton GEMM, ``x_chunk @ W.T (+ bias)`` with TMA loads, whose epilogue takes each
-``[BLOCK_M, BLOCK_N]`` tile's row maxima ``m`` (over the tile's columns), stores ``exp(z - m)`` in the
-slab's dtype and writes the tile's partials into the CE workspace (:mod:`.row_partials`), one slot per
-column tile, as the CE partial pass would per segment: ``m``, ``d = sum(exp(z - m))``, and as asked the
-label-smoothing sums, the argmax (over the logits rounded to the slab's dtype, as eager's argmax sees
-them), the entropy sum. The target logit ``z_y`` comes from a kernel of its own (the row's dot with its
-target's weight row, in fp32). The CE finish kernel (:func:`.ce_kernel.ce_finish` with
-``workspace.scaled_exp_tile``) merges the slots into ``lse`` and forms ``p = E * exp(m_tile - lse)``: no
-partial pass, so two passes over the slab instead of three.
+One persistent Triton GEMM, ``x_chunk @ W.T (+ bias)`` with TMA loads, whose epilogue stores ``exp(z - m)``
+in the slab's dtype and writes the tile's partials into the CE workspace (:mod:`.row_partials`), one slot
+per ``[BLOCK_M, BLOCK_N]`` column tile, as the CE partial pass would per segment: the reference ``m``,
+``d = sum(exp(z - m))``, and as asked the label-smoothing sums, the argmax (over the logits rounded to the
+slab's dtype, as eager's argmax sees them), the entropy sum. The target logit ``z_y`` comes first, from a
+kernel of its own (the row's dot with its target's weight row, in fp32). Two forms:
+
+- per tile: ``m`` is each tile's row maximum. The CE finish kernel (:func:`.ce_kernel.ce_finish`) merges the
+  slots into ``lse`` and rewrites the slab as the gradient, ``p = E * exp(m_tile - lse)`` times the row's
+  coefficient: one read and one write of the slab (no partial pass);
+- row-scaled (calls without a bias or label smoothing, :func:`flce_policy.plan.scaled_exp.row_scaled`):
+  ``m`` is the row's target logit, the same for every tile of the row, so the gradient is ``f * E`` with
+  one scale ``f = coef * exp(z_y - lse)`` per row, which the finish kernel writes instead of a gradient.
+  grad_input's GEMM reads ``E`` and its rows are scaled after it, grad_weight's reads ``E`` and ``x_c`` scaled
+  per row (:mod:`.target_grad`): no pass over the slab. ``E <= exp(max(z) - z_y)``: a row whose logits lie
+  more than :data:`SHIFT_LIMIT` above its target's (a loss over 64 nats on one token) flags the chunk,
+  whose GEMM and finish then run again per tile, launched every time and doing nothing unflagged: no
+  host read.
 
 Why: a bf16 logit carries ``|z| 2^-9`` of rounding into ``p = exp(z - lse)`` (logit std 4: the dense
 path's gradient error, 0.0076 relative); the stored exponential carries ``2^-9`` relative whatever
-``z``. The target's one-hot term stays out of the slab (:mod:`.target_grad`). Under the interpreter at
-512x1024x32768, logit std 4, against fp64: grad_input 0.0021 and grad_weight 0.0020 with an fp32
-grad_weight accumulator (0.0040 with a bf16 one), against 0.0076 / 0.0077 for the logits slab
-(results/notes/2026-12-02-cpu-scaled-exp-numerics.log). The loss, ``lse`` and ``z_y`` are fp32. The softcap
+``z``. The target's one-hot term stays out of the slab (:mod:`.target_grad`). The per-tile form at
+4096x1024x32768 on the H200, logit std 4, against fp32: grad_input 0.0019, grad_weight 0.0031, against 0.0072
+for the logits slab (results/2026-12-02-h200-scaled-exp). The loss, ``lse`` and ``z_y`` are fp32. The softcap
 is not fused here (its gradient needs ``tanh`` per element): such calls run on the logits slab
 (:mod:`flce_policy.plan.scaled_exp`).
 """
@@ -41,6 +49,10 @@ __all__ = ["scaled_exp_logits"]
 #: heads' chunks on the H200 (results/2026-12-01-small-heads/h200-persistent-tma.log; GROUP_M 16 over 8: 1-3%
 #: in a sweep of 2026-12-02, results/2026-12-02-h200-scaled-exp/); BLOCK_N is the plan's tile.
 _LAUNCH = (128, SCALED_EXP_TILE, 64, 16, 8, 3)
+#: The row-scaled form's limit on ``max(z) - z_y`` (nats): ``exp`` of it times V times a weight stays far inside
+#: bf16 and fp32 in the GEMMs that read the slab; a row past it (a loss of > 64 nats on a token) makes the chunk
+#: run per tile. The exponents are clamped at it meanwhile.
+SHIFT_LIMIT = tl.constexpr(64.0)
 #: Rows and hidden columns per step of the target-logit kernel.
 _TARGET_ROWS, _TARGET_HIDDEN = 16, 128
 #: Programs of the persistent grid under the interpreter (the GPU runs one per SM).
@@ -64,6 +76,8 @@ def _scaled_exp_gemm_kernel(
     partials_ptr,
     best_index_ptr,
     plane,
+    shift_ptr,
+    redo_ptr,
     n_rows,
     n_cols,
     hidden,
@@ -74,6 +88,8 @@ def _scaled_exp_gemm_kernel(
     ENTROPY: tl.constexpr,
     IEEE: tl.constexpr,
     EVEN_N: tl.constexpr,
+    ROW_SHIFT: tl.constexpr,
+    REDO_ONLY: tl.constexpr,
     NUM_SLOTS: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -84,7 +100,10 @@ def _scaled_exp_gemm_kernel(
     tiles_m = tl.cdiv(n_rows, BLOCK_M)
     tiles_n = tl.cdiv(n_cols, BLOCK_N)
     in_group = GROUP_M * tiles_n
-    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, NUM_PROGRAMS, flatten=True):
+    tiles = tiles_m * tiles_n
+    if REDO_ONLY:  # the per-tile form, run only where the row-scaled one flagged the chunk: no tiles otherwise
+        tiles = tiles * tl.load(redo_ptr)
+    for tile in tl.range(tl.program_id(0), tiles, NUM_PROGRAMS, flatten=True):
         # GROUP_M row tiles walk the columns together: W's tiles are read from L2 by the group
         group_first = tile // in_group * GROUP_M
         group_size = min(tiles_m - group_first, GROUP_M)
@@ -125,8 +144,16 @@ def _scaled_exp_gemm_kernel(
             as_logits = rounded(acc, out_desc.dtype)
             tl.store(partials_ptr + 4 * plane + slot, tl.max(as_logits, axis=1), mask=row_ok)
             tl.store(best_index_ptr + slot, col0 + tl.argmax(as_logits, axis=1), mask=row_ok)
-        m = tl.max(acc, axis=1)
-        e = tl.exp(acc - m[:, None])
+        if ROW_SHIFT:
+            # exp(z - z_y) per row (+inf where ignored: zeros); a row whose logits lie more than SHIFT_LIMIT above
+            # its target's would overflow: the chunk is flagged to be redone per tile (clamped meanwhile)
+            m = tl.load(shift_ptr + rows, mask=row_ok, other=float("inf"))
+            over = tl.max(acc, axis=1) - m > SHIFT_LIMIT
+            tl.store(redo_ptr, 1, mask=tl.max(over.to(tl.int32), axis=0) > 0)
+            e = tl.exp(tl.minimum(acc - m[:, None], SHIFT_LIMIT))
+        else:
+            m = tl.max(acc, axis=1)
+            e = tl.exp(acc - m[:, None])
         if ENTROPY:
             if EVEN_N:
                 tl.store(partials_ptr + 6 * plane + slot, tl.sum(e * acc, axis=1), mask=row_ok)
@@ -145,13 +172,14 @@ def _scaled_exp_gemm_kernel(
 
 @triton.jit
 def _target_logit_kernel(
-    x_ptr, x_stride, w_ptr, w_stride, bias_ptr, target_ptr, out_ptr, out_stride, n_rows, n_cols, hidden,
-    HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    x_ptr, x_stride, w_ptr, w_stride, bias_ptr, target_ptr, out_ptr, out_stride, shift_ptr, redo_ptr, n_rows,
+    n_cols, hidden, ignore_index, HAS_BIAS: tl.constexpr, ROW_SHIFT: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    target = tl.load(target_ptr + rows, mask=rows < n_rows, other=-1)
-    holds = (rows < n_rows) & (target >= 0) & (target < n_cols)
-    target = tl.where(holds, target, 0).to(tl.int64)
+    given = tl.load(target_ptr + rows, mask=rows < n_rows, other=-1)
+    holds = (rows < n_rows) & (given >= 0) & (given < n_cols)
+    target = tl.where(holds, given, 0).to(tl.int64)
     acc = tl.zeros([BLOCK_R], dtype=tl.float32)
     for h0 in range(0, hidden, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
@@ -162,6 +190,10 @@ def _target_logit_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + target, mask=holds, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows.to(tl.int64) * out_stride, acc, mask=holds)
+    if ROW_SHIFT:  # the row-scaled form's shifts, and its redo flag cleared before the GEMM can set it
+        shifted = holds & (given != ignore_index)
+        tl.store(shift_ptr + rows, tl.where(shifted, acc, float("inf")), mask=rows < n_rows)
+        tl.store(redo_ptr, 0, mask=tl.program_id(0) == 0)
 
 
 def scaled_exp_logits(
@@ -176,14 +208,30 @@ def scaled_exp_logits(
     label_smoothing: float = 0.0,
     track_argmax: bool = False,
     entropy: bool = False,
+    ignore_index: int = -100,
+    row_scaled: bool = False,
+    redo: bool = False,
 ) -> None:
     """``slab [n, V] = exp(z - m_tile)`` for ``z = x_chunk @ weight.T (+ bias)``, and the rows' partials in
-    ``workspace`` (made by :func:`.ce_kernel.ce_workspace` with ``scaled_exp=True``). Nothing is checked
-    here: a geometry has this slab form only where :mod:`flce_policy.plan.scaled_exp` says it can run."""
+    ``workspace`` (made by :func:`.ce_kernel.ce_workspace` with ``scaled_exp=True``); the target logits first.
+
+    ``row_scaled``: ``exp(z - z_y)`` per row instead (``+inf`` shifts on ignored rows), each slot's reference
+    the row's shift, and the workspace's redo flag set where a row's logits lie more than :data:`SHIFT_LIMIT`
+    above its target's. ``redo``: the per-tile form again, over the same chunk, only where that flag is set
+    (no tiles otherwise; the target logits are kept). Nothing is checked here: a geometry has this slab form
+    only where :mod:`flce_policy.plan.scaled_exp` says it can run."""
     n_rows, hidden = x_chunk.shape
     n_cols = weight.shape[0]
     block_m, block_n, block_k, group_m, num_warps, num_stages = _LAUNCH
     ws = workspace
+    if not redo:
+        # z_y apart: picked out of the GEMM's tile it cost the epilogue 9-15% at the small heads (H200, 4096-row
+        # chunks, proto sweep of 2026-12-02); a dot of two rows in fp32 is the same value up to summation order
+        _target_logit_kernel[(triton.cdiv(n_rows, _TARGET_ROWS),)](
+            x_chunk, x_chunk.stride(0), weight, weight.stride(0), bias, target, ws.partials[5],
+            ws.partials.stride(1), ws.row_shift, ws.redo, n_rows, n_cols, hidden, ignore_index,
+            HAS_BIAS=bias is not None, ROW_SHIFT=row_scaled, BLOCK_R=_TARGET_ROWS, BLOCK_H=_TARGET_HIDDEN,
+        )  # fmt: skip
     programs = min(_programs(slab.device), triton.cdiv(n_rows, block_m) * triton.cdiv(n_cols, block_n))
     _scaled_exp_gemm_kernel[(programs,)](
         TensorDescriptor.from_tensor(x_chunk, [block_m, block_k]),
@@ -194,6 +242,8 @@ def scaled_exp_logits(
         ws.partials,
         ws.best_index,
         ws.partials.stride(0),
+        ws.row_shift,
+        ws.redo,
         n_rows,
         n_cols,
         hidden,
@@ -204,6 +254,8 @@ def scaled_exp_logits(
         ENTROPY=entropy,
         IEEE=KERNELS_INTERPRETED,
         EVEN_N=n_cols % block_n == 0,
+        ROW_SHIFT=row_scaled,
+        REDO_ONLY=redo,
         NUM_SLOTS=ws.slots,
         NUM_PROGRAMS=programs,
         BLOCK_M=block_m,
@@ -213,9 +265,3 @@ def scaled_exp_logits(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    # z_y apart: picked out of the GEMM's tile it cost the epilogue 9-15% at the small heads (H200, 4096-row
-    # chunks, proto sweep of 2026-12-02); a dot of two rows in fp32 is the same value up to summation order
-    _target_logit_kernel[(triton.cdiv(n_rows, _TARGET_ROWS),)](
-        x_chunk, x_chunk.stride(0), weight, weight.stride(0), bias, target, ws.partials[5], ws.partials.stride(1),
-        n_rows, n_cols, hidden, HAS_BIAS=bias is not None, BLOCK_R=_TARGET_ROWS, BLOCK_H=_TARGET_HIDDEN,
-    )  # fmt: skip

@@ -13,6 +13,10 @@ gradient's error: 0.0035 of grad_input's 0.0039 at logit std 4, against 0.0005 w
   atomics: the same result on every run);
 - into a 16-bit grad_weight, where that read-modify-write would round each target's row once more, the
   term goes back into the slab before the grad_weight GEMM, rounded there as on the logits slab.
+
+In the row-scaled form the slab holds ``E`` with ``f * E`` the gradient (``f`` per row): the same kernel then
+scales grad_input's rows by ``f`` before the term, writes ``x_c`` times ``f`` (grad_weight's GEMM takes it beside
+``E``) and puts ``coef_y / f`` into the slab for a 16-bit grad_weight.
 """
 
 from __future__ import annotations
@@ -80,29 +84,55 @@ def _target_weight_grad_kernel(
 
 @triton.jit
 def _target_rows_kernel(
-    target_ptr, coef_ptr, weight_ptr, weight_stride, grad_input_ptr, grad_input_stride, slab_ptr, slab_stride,
-    n_rows, vocab, hidden, INPUT: tl.constexpr, SLAB: tl.constexpr, IEEE: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    target_ptr, coef_ptr, scale_ptr, weight_ptr, weight_stride, grad_input_ptr, grad_input_stride, slab_ptr,
+    slab_stride, x_ptr, x_stride, x_scaled_ptr, n_rows, vocab, hidden, INPUT: tl.constexpr, SLAB: tl.constexpr,
+    ROW_SCALED: tl.constexpr, X_OUT: tl.constexpr, IEEE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    target = tl.load(target_ptr + rows, mask=rows < n_rows, other=-1)
-    holds = (rows < n_rows) & (target >= 0) & (target < vocab)  # an ignored row's coef is 0: nothing to add
+    row_in = rows < n_rows
+    target = tl.load(target_ptr + rows, mask=row_in, other=-1)
+    holds = row_in & (target >= 0) & (target < vocab)  # an ignored row's coef is 0: nothing to add
     target = tl.where(holds, target, 0).to(tl.int64)
     coef = tl.load(coef_ptr + rows, mask=holds, other=0.0)
+    scale = tl.zeros([BLOCK_R], dtype=tl.float32)
+    if ROW_SCALED:
+        scale = tl.load(scale_ptr + rows, mask=row_in, other=0.0)
     rows = rows.to(tl.int64)
-    if INPUT:
+    if INPUT or X_OUT:
         for h0 in range(0, hidden, BLOCK_H):
             h = h0 + tl.arange(0, BLOCK_H)
-            ok = holds[:, None] & (h < hidden)[None, :]
-            w = tl.load(weight_ptr + target[:, None] * weight_stride + h[None, :], mask=ok, other=0.0)
-            out = grad_input_ptr + rows[:, None] * grad_input_stride + h[None, :]
-            g = tl.load(out, mask=ok, other=0.0).to(tl.float32) - coef[:, None] * w.to(tl.float32)
-            if IEEE:  # the interpreter truncates a cast to 16 bits: round to nearest first, as the GPU does
-                g = rounded(g, grad_input_ptr.dtype.element_ty)
-            tl.store(out, g.to(grad_input_ptr.dtype.element_ty), mask=ok)
+            in_h = (h < hidden)[None, :]
+            if INPUT:
+                # the row-scaled form's GEMM gave slab @ W: every row is scaled, not only the targets' ones
+                ok = holds[:, None] & in_h
+                if ROW_SCALED:
+                    ok = row_in[:, None] & in_h
+                w = tl.load(
+                    weight_ptr + target[:, None] * weight_stride + h[None, :], mask=holds[:, None] & in_h, other=0.0
+                )
+                out = grad_input_ptr + rows[:, None] * grad_input_stride + h[None, :]
+                g = tl.load(out, mask=ok, other=0.0).to(tl.float32)
+                if ROW_SCALED:
+                    g = g * scale[:, None]
+                g = g - coef[:, None] * w.to(tl.float32)
+                if IEEE:  # the interpreter truncates a cast to 16 bits: round to nearest first, as the GPU does
+                    g = rounded(g, grad_input_ptr.dtype.element_ty)
+                tl.store(out, g.to(grad_input_ptr.dtype.element_ty), mask=ok)
+            if X_OUT:  # x_c times each row's scale: the other operand of grad_weight's GEMM
+                ok = row_in[:, None] & in_h
+                xv = tl.load(x_ptr + rows[:, None] * x_stride + h[None, :], mask=ok, other=0.0).to(tl.float32)
+                xs = xv * scale[:, None]
+                if IEEE:
+                    xs = rounded(xs, x_scaled_ptr.dtype.element_ty)
+                out = x_scaled_ptr + rows[:, None] * hidden + h[None, :]
+                tl.store(out, xs.to(x_scaled_ptr.dtype.element_ty), mask=ok)
     if SLAB:
         entry = slab_ptr + rows * slab_stride + target
-        value = tl.load(entry, mask=holds, other=0.0).to(tl.float32) - coef
+        term = coef
+        if ROW_SCALED:  # grad_weight's GEMM multiplies the slab's row by its scale again
+            live = holds & (scale != 0.0)  # a zero scale has a zero coef: no term
+            term = tl.where(live, coef / tl.where(live, scale, 1.0), 0.0)
+        value = tl.load(entry, mask=holds, other=0.0).to(tl.float32) - term
         if IEEE:
             value = rounded(value, slab_ptr.dtype.element_ty)
         tl.store(entry, value.to(slab_ptr.dtype.element_ty), mask=holds)
@@ -121,19 +151,34 @@ class TargetTerms:
         """Whether the grad_weight (and grad_bias) terms go beside the GEMM: an fp32 buffer, or none."""
         return grad_weight is None or grad_weight.dtype == torch.float32
 
-    def into_chunk(self, grad_input: torch.Tensor | None, weight: torch.Tensor, slab: torch.Tensor | None) -> None:
+    def into_chunk(
+        self,
+        grad_input: torch.Tensor | None,
+        weight: torch.Tensor,
+        slab: torch.Tensor | None,
+        *,
+        row_scale: torch.Tensor | None = None,
+        x_chunk: torch.Tensor | None = None,
+        x_scaled: torch.Tensor | None = None,
+    ) -> None:
         """In one launch, each as given: ``grad_input [n, H] -= coef_y * W[y]`` (after the GEMM wrote the rest;
         fp32, rounded once) and ``slab[r, y_r] -= coef_y[r]`` (the term back in the chunk's gradient, for a
-        16-bit grad_weight; before its GEMM)."""
-        if grad_input is None and slab is None:
+        16-bit grad_weight; before its GEMM).
+
+        With ``row_scale`` (``f [n]``, the row-scaled form: the slab times ``f`` per row is the gradient),
+        ``grad_input = f * grad_input - coef_y * W[y]`` on every row, ``x_scaled [n, H] = f * x_chunk`` where given
+        (grad_weight's GEMM takes it beside the slab) and ``slab[r, y_r] -= coef_y[r] / f[r]``."""
+        if grad_input is None and slab is None and row_scale is None:
             return
         n_rows = self.target.shape[0]
         vocab, hidden = weight.shape
         _target_rows_kernel[(triton.cdiv(n_rows, _ROWS),)](
-            self.target, self.coef, weight, weight.stride(0),
+            self.target, self.coef, row_scale, weight, weight.stride(0),
             grad_input, 0 if grad_input is None else grad_input.stride(0),
             slab, 0 if slab is None else slab.stride(0),
-            n_rows, vocab, hidden, INPUT=grad_input is not None, SLAB=slab is not None, IEEE=KERNELS_INTERPRETED,
+            x_chunk, 0 if x_chunk is None else x_chunk.stride(0), x_scaled,
+            n_rows, vocab, hidden, INPUT=grad_input is not None, SLAB=slab is not None,
+            ROW_SCALED=row_scale is not None, X_OUT=x_scaled is not None, IEEE=KERNELS_INTERPRETED,
             BLOCK_R=_ROWS, BLOCK_H=_ROW_BLOCK_H,
         )  # fmt: skip
 

@@ -22,19 +22,26 @@ class ScaledExp(ChunkStrategy):
     and one pass less over the slab. Where the problem cannot run it (fp32, vocab tiles, a vocab shard,
     H or V not a multiple of 8) or the GPU is older than Hopper, ``inner``'s geometry as it is.
 
-    YAML: ``{strategy: scaled_exp, inner: {strategy: slab_budget, max_slab: 2GiB}}``.
+    With ``rows=True`` the geometry's slab form is ``"scaled_exp_rows"``: where the call has no bias or label
+    smoothing the slab holds ``exp(z - z_y)`` per row and no CE pass rewrites it (the backward GEMMs scale its
+    rows; :func:`flce_policy.plan.scaled_exp.row_scaled`).
+
+    YAML: ``{strategy: scaled_exp, inner: {strategy: slab_budget, max_slab: 2GiB}}`` (and ``rows: true``).
     """
 
     name = "scaled_exp"
 
-    def __init__(self, inner: ChunkStrategy | dict[str, Any]) -> None:
+    def __init__(self, inner: ChunkStrategy | dict[str, Any], rows: bool = False) -> None:
         self.inner = inner
+        self.rows = rows
 
     def validate_params(self) -> None:
         if self.inner is None:
             raise StrategyError(
                 "scaled_exp: inner must be a strategy, e.g. {strategy: heuristic_c, c: 16}", param="inner"
             )
+        if not isinstance(self.rows, bool):
+            raise StrategyError(f"scaled_exp: rows must be true or false, got {self.rows!r}", param="rows")
         validate_nested(self, "inner")
         if nested_strategy(self, "inner").dynamic:  # type: ignore[union-attr]
             raise StrategyError(
@@ -50,7 +57,8 @@ class ScaledExp(ChunkStrategy):
         self.validate_params()
         inner = checked_geometry(nested_strategy(self, "inner"), problem, device, rule=rule)  # type: ignore[arg-type]
         capable = device.compute_capability is None or device.compute_capability >= TMA_COMPUTE_CAPABILITY
-        form = "scaled_exp" if capable and scaled_exp_unsupported(problem, inner.vocab_chunk) is None else "logits"
+        runs = capable and scaled_exp_unsupported(problem, inner.vocab_chunk) is None
+        form = ("scaled_exp_rows" if self.rows else "scaled_exp") if runs else "logits"
         return inner.with_slab_form(form).with_origin(strategy=repr(self))
 
     def to_config(self) -> dict[str, Any]:

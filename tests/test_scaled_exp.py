@@ -97,6 +97,12 @@ CASES = {
     ),
     "none, token scaling": (dict(), dict(reduction="none", use_token_scaling=True), dict()),
     "fp32 accumulation, bias": (dict(bias=True), dict(accum_dtype=torch.float32), dict()),
+    "mean, class weights, z-loss (row-scaled)": (dict(), dict(z_loss_scale=1e-3), dict(class_weight=True)),
+    "fp32 accumulation, sum, z-loss (row-scaled)": (
+        dict(),
+        dict(accum_dtype=torch.float32, reduction="sum", z_loss_scale=1e-3),
+        dict(),
+    ),
     "fp32 accumulation, sum, smoothing, class weights": (
         dict(),
         dict(accum_dtype=torch.float32, reduction="sum", label_smoothing=0.1),
@@ -105,12 +111,24 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_options_against_fp64(case):
+#: Both scaled-exp forms: per column tile, and per row where the call allows (no bias or label smoothing).
+FORMS = ("scaled_exp", "scaled_exp_rows")
+
+
+def _runs_row_scaled(case: str) -> bool:
+    input_kw, options, _ = CASES[case]
+    return not input_kw.get("bias") and not options.get("label_smoothing")
+
+
+@pytest.mark.parametrize(
+    ("case", "form"),
+    [(case, "scaled_exp") for case in CASES] + [(case, "scaled_exp_rows") for case in CASES if _runs_row_scaled(case)],
+)
+def test_options_against_fp64(case, form):
     input_kw, options, call_kw = CASES[case]
     t = inputs(seed=1, **input_kw)
     grad_output = torch.rand(BT, generator=torch.Generator().manual_seed(2)).to(DEVICE) if "none" in case else None
-    got_loss, _, got = run(t, geometry("scaled_exp"), grad_output, **options, **call_kw)
+    got_loss, _, got = run(t, geometry(form), grad_output, **options, **call_kw)
     ref_options = {k: v for k, v in options.items() if k not in ("accum_dtype", "use_token_scaling")}
     want_loss, want = reference(
         t, grad_output, token_scaling=options.get("use_token_scaling", False), **ref_options, **call_kw
@@ -122,24 +140,24 @@ def test_options_against_fp64(case):
         assert rel_l2(grad, want[name]) < GRAD_TOL, name
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("accum_dtype", [None, torch.float32])
-def test_more_accurate_than_the_logits_slab(accum_dtype):
+def test_more_accurate_than_the_logits_slab(accum_dtype, form):
     """The point of the path: at logit std 4 its gradients are clearly closer to fp64 than the logits slab's
     (no rounding of the logits, the target's term outside the bf16 gradient)."""
     t = inputs(seed=3)
     _, want = reference(t)
-    scaled = run(t, geometry("scaled_exp"), accum_dtype=accum_dtype)[2]
+    scaled = run(t, geometry(form), accum_dtype=accum_dtype)[2]
     logits = run(t, geometry("logits"), accum_dtype=accum_dtype)[2]
     for name in ("x", "w"):
         assert rel_l2(scaled[name], want[name]) < 0.7 * rel_l2(logits[name], want[name]), name
 
 
-def test_extras_against_torch():
+@pytest.mark.parametrize("form", FORMS)
+def test_extras_against_torch(form):
     """Accuracy and predicted tokens as eager's argmax over the bf16 logits; entropy against fp64."""
     t = inputs(seed=4)
-    _, extras, _ = run(
-        t, geometry("scaled_exp"), return_token_accuracy=True, return_predicted_tokens=True, return_entropy=True
-    )
+    _, extras, _ = run(t, geometry(form), return_token_accuracy=True, return_predicted_tokens=True, return_entropy=True)
     accuracy, predicted, entropy = extras[-3:]
     valid = t["y"] != -100
     eager_argmax = F.linear(t["x"].float(), t["w"].float()).to(torch.bfloat16).argmax(-1)
@@ -150,13 +168,14 @@ def test_extras_against_torch():
     torch.testing.assert_close(entropy.double(), want_entropy, rtol=2e-3, atol=1e-4)
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("accum_dtype", [None, torch.float32])  # the target terms in the slab, and beside it
-def test_grad_weight_filter_leaves_grad_input_alone(accum_dtype):
+def test_grad_weight_filter_leaves_grad_input_alone(accum_dtype, form):
     t = inputs(seed=5)
     t["y"] = torch.where(t["y"] == -100, -100, t["y"] % 100)  # targets in the first column block: others skippable
-    dense = run(t, geometry("scaled_exp"), accum_dtype=accum_dtype)
+    dense = run(t, geometry(form), accum_dtype=accum_dtype)
     with observe_tiles() as counts:
-        filtered = run(t, geometry("scaled_exp"), grad_weight_filter=0.5, accum_dtype=accum_dtype)
+        filtered = run(t, geometry(form), grad_weight_filter=0.5, accum_dtype=accum_dtype)
     assert sum(int(c.kept) for c in counts) < sum(c.total for c in counts)  # some tiles were skipped
     assert torch.equal(filtered[0], dense[0]) and torch.equal(filtered[2]["x"], dense[2]["x"])
     assert not torch.equal(filtered[2]["w"], dense[2]["w"])
@@ -229,11 +248,16 @@ def test_policy_explains_the_slab():
 
 def test_memory_model_counts_the_partials():
     """A slot per row and 256 columns (512 at V = 131072), padded to a power of two: six fp32 planes and an int32;
-    nothing else (the target's one-hot terms are applied in place, kernels/target_grad.py)."""
+    three fp32 per row and the redo flag; and the row-scaled form's x_c times its rows' scales (bf16), where
+    grad_weight is asked and there is no bias."""
     problem = Problem(16384, 1024, 131072, "bfloat16")
-    logits = predict_peak(Geometry.for_problem(problem, 8192)).total_bytes
-    scaled = predict_peak(Geometry.for_problem(problem, 8192, slab_form="scaled_exp")).total_bytes
-    assert scaled - logits == 8192 * 512 * (6 * 4 + 4)
+    scratch = 8192 * 512 * (6 * 4 + 4) + 8192 * 3 * 4 + 4
+    cases = [("scaled_exp", {}, 0), ("scaled_exp_rows", {}, 8192 * 1024 * 2)]
+    cases += [("scaled_exp_rows", dict(bias=True), 0), ("scaled_exp_rows", dict(weight_grad=False), 0)]
+    for form, kw, scaled_input in cases:
+        logits = predict_peak(Geometry.for_problem(problem, 8192), **kw).total_bytes
+        scaled = predict_peak(Geometry.for_problem(problem, 8192, slab_form=form), **kw).total_bytes
+        assert scaled - logits == scratch + scaled_input, (form, kw)
 
 
 def test_bench_policy_wraps_every_rule():
@@ -258,3 +282,63 @@ def test_bias_gradient_alone():
     (grad_b,) = torch.autograd.grad(loss, b)
     _, want = reference(t)
     assert rel_l2(grad_b, want["b"]) < GRAD_TOL
+
+
+def test_rows_far_above_their_target_redo_the_chunk_per_tile(monkeypatch):
+    """The row-scaled form holds exp(z - z_y): rows whose logits lie more than 64 nats above their target's would
+    overflow. Their chunk is redone per tile on the device (no host read), and the result is still fp64's."""
+    import flce_policy.kernels.driver as driver
+
+    t = inputs(seed=5)
+    t["x"][[3, 70, 140]] *= 40  # logit std ~160 on three rows, one in each chunk
+    flags = []
+    real = driver.scaled_exp_logits
+
+    def recording(*args, row_scaled=False, redo=False, **kw):
+        real(*args, row_scaled=row_scaled, redo=redo, **kw)
+        if row_scaled:
+            flags.append(int(args[5].redo.item()))
+
+    monkeypatch.setattr(driver, "scaled_exp_logits", recording)
+    got_loss, _, got = run(t, geometry("scaled_exp_rows"))
+    want_loss, want = reference(t)
+    assert flags == [1, 1, 1]  # every chunk was row-scaled, and each one flagged
+    assert abs(got_loss.double().item() - want_loss.item()) <= LOSS_TOL * abs(want_loss.item())
+    for name, grad in got.items():
+        assert torch.isfinite(grad).all() and rel_l2(grad, want[name]) < GRAD_TOL, name
+    flags.clear()
+    run(inputs(seed=5), geometry("scaled_exp_rows"))
+    assert flags == [0, 0, 0]  # the same inputs without those rows: no chunk redone
+
+
+def test_a_bias_or_label_smoothing_takes_the_per_tile_form(monkeypatch):
+    import flce_policy.kernels.driver as driver
+
+    forms = []
+    real = driver.scaled_exp_logits
+
+    def recording(*args, row_scaled=False, redo=False, **kw):
+        real(*args, row_scaled=row_scaled, redo=redo, **kw)
+        forms.append("redo" if redo else "rows" if row_scaled else "tile")
+
+    monkeypatch.setattr(driver, "scaled_exp_logits", recording)
+    for t, options, want in (
+        (inputs(seed=6), {}, ["rows", "redo"] * 3),
+        (inputs(seed=6, bias=True), {}, ["tile"] * 3),
+        (inputs(seed=6), dict(label_smoothing=0.1), ["tile"] * 3),
+    ):
+        forms.clear()
+        run(t, geometry("scaled_exp_rows"), **options)
+        assert forms == want, options
+
+
+def test_the_rows_form_is_a_strategy_parameter():
+    strategy = ScaledExp({"strategy": "heuristic_c", "c": 16}, rows=True)
+    config = {"strategy": "scaled_exp", "inner": {"strategy": "heuristic_c", "c": 16}, "rows": True}
+    assert strategy.to_config() == config and strategy_from_config(config) == strategy
+    geometry = strategy.geometry(Problem(BT, H, V, "bfloat16"), DeviceInfo.synthetic("H200"))
+    assert geometry.slab_form == "scaled_exp_rows"
+    with pytest.raises(StrategyError, match="rows must be true or false"):
+        ScaledExp({"strategy": "heuristic_c", "c": 16}, rows="yes").geometry(
+            Problem(BT, H, V, "bfloat16"), DeviceInfo.synthetic("H200")
+        )

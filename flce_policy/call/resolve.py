@@ -22,7 +22,7 @@ from flce_policy.kernels.tma import tma_device
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.oom import DEFAULT_OOM_FALLBACK
 from flce_policy.plan.problem import Problem
-from flce_policy.plan.scaled_exp import call_routing
+from flce_policy.plan.scaled_exp import call_routing, is_scaled_exp
 from flce_policy.strategies import ChunkStrategy
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ def geometry_for(
 def geometry_for_call(geometry: Geometry, softcap: float | None, device: torch.device) -> Geometry:
     """``geometry``, or its copy on the logits slab where it asks for the scaled-exp slab and the call
     (:func:`flce_policy.plan.scaled_exp.call_routing`) or the device (TMA: Hopper or later) cannot run it."""
-    if geometry.slab_form != "scaled_exp" or (call_routing(softcap) is None and tma_device(device)):
+    if not is_scaled_exp(geometry.slab_form) or (call_routing(softcap) is None and tma_device(device)):
         return geometry
     return _on_logits_slab(geometry)
 

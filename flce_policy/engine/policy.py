@@ -510,9 +510,15 @@ def _filter_times(geometry: Geometry, rates: Any) -> dict[str, Any]:
 def _slab_form_note(slab_form: str) -> str:
     if slab_form == "logits":
         return ", holding the logits (cuBLAS GEMM)"
+    rows = (
+        ", and per row where the call has no bias or label smoothing: exp(z - z_y), no CE pass over the slab, the "
+        "backward GEMMs scaling its rows"
+        if slab_form == "scaled_exp_rows"
+        else ""
+    )
     return (
-        f", holding exp(z - m) per {SCALED_EXP_TILE} columns from a Triton GEMM's epilogue (scaled-exp: no "
-        "partial pass, no bf16 rounding of the logits); calls with a softcap, and GPUs before Hopper, run the "
+        f", holding exp(z - m) per {SCALED_EXP_TILE} columns from a Triton GEMM's epilogue (scaled-exp: no partial "
+        f"pass, no bf16 rounding of the logits){rows}; calls with a softcap, and GPUs before Hopper, run the "
         "logits slab"
     )
 

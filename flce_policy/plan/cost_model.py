@@ -21,6 +21,9 @@ Terms (seconds), each traced to measurements on the H200 (results/notes/README.m
   where TMA cannot are slower, not modelled apart;
 - the scaled-exp slab (``geometry.slab_form``): its logits GEMM at ``scaled_exp_gemm_efficiency`` of
   cuBLAS's rate, and the CE kernels one read and one write of the slab (its partials come from the GEMM);
+  in the row-scaled form (``"scaled_exp_rows"``, as calls without a bias or label smoothing run it) no CE
+  pass over the slab, x_c scaled per row for grad_weight and grad_input scaled per row (a read and a write
+  of each), and with a grad_weight filter one read of the slab for the flags (not yet measured on a GPU);
 - vocab parallel (``problem.tp_size > 1``, the problem being one rank's shard): the collectives of
   :func:`flce_policy.plan.collectives.comm_plan`, each paying ``collective_latency_s`` plus a ring
   all-reduce's ``2 (n - 1) / n`` of its bytes at ``link_bytes_per_s``. These two rates are
@@ -40,6 +43,7 @@ from flce_policy.plan.accumulator import accumulator_layout
 from flce_policy.plan.collectives import comm_plan
 from flce_policy.plan.device import DeviceInfo
 from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.scaled_exp import is_scaled_exp
 from flce_policy.plan.weight_filter import FILTER_COLS
 
 __all__ = [
@@ -134,7 +138,8 @@ def predict_seconds(
     one_gemm = 2.0 * p.tokens * p.hidden * p.vocab / rates.matmul_flops
     filtered = geometry.grad_weight_filter is not None
     kept = 1.0 - skipped_share if filtered else 1.0
-    scaled_exp = geometry.slab_form == "scaled_exp"
+    scaled_exp = is_scaled_exp(geometry.slab_form)
+    rows = geometry.slab_form == "scaled_exp_rows"
     terms = {
         "gemm": (gemms - 1 if filtered else gemms) * one_gemm,
         # the scaled-exp slab's logits GEMM (its epilogue) over cuBLAS's
@@ -149,8 +154,14 @@ def predict_seconds(
         "grad_input_acc": (geometry.num_vocab_chunks - 1) * 2 * p.tokens * p.hidden * 4 / hbm
         if not geometry.is_row_only
         else 0.0,
-        # two reads and a write of the slab; the scaled-exp slab's partials come from the GEMM: a read and a write
-        "ce": (2 if scaled_exp else 3) * p.tokens * p.vocab * item / (hbm * rates.ce_efficiency),
+        # two reads and a write of the slab; the scaled-exp slab's partials come from the GEMM: a read and a write,
+        # and none in its row-scaled form (a read for a filter's flags)
+        "ce": (int(filtered) if rows else 2 if scaled_exp else 3)
+        * p.tokens
+        * p.vocab
+        * item
+        / (hbm * rates.ce_efficiency),
+        "row_scaling": 4 * p.tokens * p.hidden * item / hbm if rows else 0.0,
         "late_tiles": recomputed_columns
         * p.tokens
         * (2.0 * p.hidden / rates.matmul_flops + 2 * item / (hbm * rates.ce_efficiency)),

@@ -15,7 +15,7 @@ from pydantic import (
 )
 
 from flce_policy.plan.problem import DTYPE_ITEMSIZE, LogitsDType, Problem, checked_dtype, normalise_dtype
-from flce_policy.plan.scaled_exp import scaled_exp_unsupported
+from flce_policy.plan.scaled_exp import is_scaled_exp, scaled_exp_unsupported
 from flce_policy.plan.units import cdiv, format_bytes
 from flce_policy.plan.weight_filter import checked_filter_eps
 
@@ -48,10 +48,10 @@ class Geometry(BaseModel):
         default=None,
         description="eps of the grad_weight filter a policy rule set (flce_policy.plan.weight_filter); None = dense",
     )
-    slab_form: Literal["logits", "scaled_exp"] = Field(
+    slab_form: Literal["logits", "scaled_exp", "scaled_exp_rows"] = Field(
         default="logits",
         description="what the slab holds: the logits, or exp(z - m) per column tile from the logits GEMM's "
-        "epilogue (flce_policy.plan.scaled_exp)",
+        "epilogue, or (scaled_exp_rows, where the call allows) exp(z - z_y) per row (flce_policy.plan.scaled_exp)",
     )
     strategy: str = Field(default="manual", description="the strategy (with its parameters) that produced it")
     rule: str | None = Field(default=None, description="the policy rule that chose the strategy, if any")
@@ -114,10 +114,10 @@ class Geometry(BaseModel):
                     f"{field}={got} is inconsistent with chunk_size={self.chunk_size}, "
                     f"vocab_chunk={self.vocab_chunk} for {p.describe()}: expected {want}"
                 )
-        if self.slab_form == "scaled_exp":
+        if is_scaled_exp(self.slab_form):
             why_not = scaled_exp_unsupported(p, self.vocab_chunk)
             if why_not is not None:
-                raise ValueError(f"slab_form='scaled_exp' cannot run {p.describe()}: {why_not}")
+                raise ValueError(f"slab_form={self.slab_form!r} cannot run {p.describe()}: {why_not}")
         return self
 
     @model_serializer(mode="wrap")
@@ -172,7 +172,8 @@ class Geometry(BaseModel):
         return self.model_copy(update={"grad_weight_filter": checked_filter_eps(grad_weight_filter)})
 
     def with_slab_form(self, slab_form: str) -> Geometry:
-        """A copy whose slab holds ``slab_form`` ("logits" or "scaled_exp"); ValueError where it cannot run."""
+        """A copy whose slab holds ``slab_form`` (one of :data:`flce_policy.plan.scaled_exp.SLAB_FORMS`); ValueError
+        where it cannot run."""
         if slab_form == self.slab_form:
             return self
         return Geometry.model_validate({**self.model_dump(), "problem": self.problem, "slab_form": slab_form})

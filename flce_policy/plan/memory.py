@@ -12,7 +12,7 @@ from typing import NamedTuple
 from flce_policy.plan.accumulator import accumulator_layout, narrow_step_rows
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.problem import DTYPE_ITEMSIZE, Problem, checked_dtype
-from flce_policy.plan.scaled_exp import scaled_exp_scratch_bytes
+from flce_policy.plan.scaled_exp import is_scaled_exp, scaled_exp_scratch_bytes
 from flce_policy.plan.units import format_bytes
 
 __all__ = ["MemoryEstimate", "predict_peak", "held_beside_slab", "gathered_head_bytes"]
@@ -66,9 +66,12 @@ def predict_peak(
         "input_copy": p.tokens * p.hidden * p.itemsize if _differs(input_dtype, p) else 0,
     }
     loop = {"slab": geometry.slab_bytes, **held, **copies}
-    if geometry.slab_form == "scaled_exp":
+    if is_scaled_exp(geometry.slab_form):
         # its row partials are a slot per column tile, not a few per row: 5% of a bf16 slab
         loop["scaled_exp_partials"] = scaled_exp_scratch_bytes(geometry.chunk_size, geometry.vocab_chunk)
+        if geometry.slab_form == "scaled_exp_rows" and weight_grad and not bias:
+            # the row-scaled form's x_c times each row's scale (not allocated with label smoothing)
+            loop["scaled_input"] = geometry.chunk_size * p.hidden * p.itemsize
     layout = accumulator_layout(geometry, input_grad=input_grad, weight_grad=weight_grad)
     if layout.separate:
         # vocab tiles add into grad_input across the tiles; the rows of the fp32 accumulator
