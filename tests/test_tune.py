@@ -223,7 +223,7 @@ def test_every_other_gpu_keeps_what_the_packaged_policy_picks(tmp_path, problem)
     assert len(policy.rules) == len(packaged.rules)
     assert (
         "# the tuned rule replaces the packaged rule match H200 -> "
-        "ScaledExp(inner={'strategy': 'slab_budget', 'max_slab': '2GiB'})" in text
+        "ScaledExp(inner={'strategy': 'slab_budget', 'max_slab': '2GiB'}, rows=False)" in text
     )
 
 
@@ -553,6 +553,7 @@ def test_the_scaled_exp_slab_is_written_when_its_pick_runs_within_2_percent(tmp_
         "match": "H200",
         "strategy": "scaled_exp",
         "inner": {"strategy": "slab_budget", "max_slab": "1GiB"},
+        "rows": False,
     }
     assert f"wrote {out}: match H200 -> scaled_exp around slab_budget max_slab 1GiB" in err
     assert "# on the logits slab:" in text and "# on the scaled_exp slab:" in text
