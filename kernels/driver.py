@@ -108,7 +108,12 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
     row_scaled = (
         scaled_exp
         and grads.any
-        and row_scaled_form(geometry.slab_form, bias=bias is not None, label_smoothing=params.label_smoothing)
+        and row_scaled_form(
+            geometry.slab_form,
+            bias=bias is not None,
+            label_smoothing=params.label_smoothing,
+            dtype=geometry.problem.dtype,
+        )
     )
     x_scaled = torch.empty_like(x[:chunk_size]) if row_scaled and grad_weight is not None else None
     weight_t = weight.t()

@@ -311,7 +311,7 @@ def test_rows_far_above_their_target_redo_the_chunk_per_tile(monkeypatch):
     assert flags == [0, 0, 0]  # the same inputs without those rows: no chunk redone
 
 
-def test_a_bias_or_label_smoothing_takes_the_per_tile_form(monkeypatch):
+def test_a_bias_label_smoothing_or_fp16_take_the_per_tile_form(monkeypatch):
     import flce_policy.kernels.driver as driver
 
     forms = []
@@ -322,13 +322,16 @@ def test_a_bias_or_label_smoothing_takes_the_per_tile_form(monkeypatch):
         forms.append("redo" if redo else "rows" if row_scaled else "tile")
 
     monkeypatch.setattr(driver, "scaled_exp_logits", recording)
-    for t, options, want in (
-        (inputs(seed=6), {}, ["rows", "redo"] * 3),
-        (inputs(seed=6, bias=True), {}, ["tile"] * 3),
-        (inputs(seed=6), dict(label_smoothing=0.1), ["tile"] * 3),
+    half = {k: v.half() if v.dtype == torch.bfloat16 else v for k, v in inputs(seed=6).items()}
+    half_rows = Geometry.for_problem(Problem(BT, H, V, "float16"), CHUNK, slab_form="scaled_exp_rows")
+    for t, policy, options, want in (
+        (inputs(seed=6), geometry("scaled_exp_rows"), {}, ["rows", "redo"] * 3),
+        (inputs(seed=6, bias=True), geometry("scaled_exp_rows"), {}, ["tile"] * 3),
+        (inputs(seed=6), geometry("scaled_exp_rows"), dict(label_smoothing=0.1), ["tile"] * 3),
+        (half, half_rows, {}, ["tile"] * 3),  # exp(z - z_y) needs bf16's exponent range
     ):
         forms.clear()
-        run(t, geometry("scaled_exp_rows"), **options)
+        run(t, policy, **options)
         assert forms == want, options
 
 

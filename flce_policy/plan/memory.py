@@ -12,7 +12,7 @@ from typing import NamedTuple
 from flce_policy.plan.accumulator import accumulator_layout, narrow_step_rows
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.problem import DTYPE_ITEMSIZE, Problem, checked_dtype
-from flce_policy.plan.scaled_exp import is_scaled_exp, scaled_exp_scratch_bytes
+from flce_policy.plan.scaled_exp import is_scaled_exp, row_scaled, scaled_exp_scratch_bytes
 from flce_policy.plan.units import format_bytes
 
 __all__ = ["MemoryEstimate", "predict_peak", "held_beside_slab", "gathered_head_bytes"]
@@ -69,7 +69,7 @@ def predict_peak(
     if is_scaled_exp(geometry.slab_form):
         # its row partials are a slot per column tile, not a few per row: 5% of a bf16 slab
         loop["scaled_exp_partials"] = scaled_exp_scratch_bytes(geometry.chunk_size, geometry.vocab_chunk)
-        if geometry.slab_form == "scaled_exp_rows" and weight_grad and not bias:
+        if weight_grad and row_scaled(geometry.slab_form, bias=bias, label_smoothing=0.0, dtype=p.dtype):
             # the row-scaled form's x_c times each row's scale (not allocated with label smoothing)
             loop["scaled_input"] = geometry.chunk_size * p.hidden * p.itemsize
     layout = accumulator_layout(geometry, input_grad=input_grad, weight_grad=weight_grad)

@@ -68,14 +68,15 @@ def is_scaled_exp(slab_form: str) -> bool:
     return slab_form in SCALED_EXP_FORMS
 
 
-def row_scaled(slab_form: str, *, bias: bool, label_smoothing: float) -> bool:
+def row_scaled(slab_form: str, *, bias: bool, label_smoothing: float, dtype: str = "bfloat16") -> bool:
     """Whether a call with gradients on ``slab_form`` runs the row-scaled form (``"scaled_exp_rows"`` asks for it):
     the slab holds ``exp(z - z_y)`` per row,
     and the backward GEMMs take it as the gradient times ``1 / f`` per row (``grad_input`` scaled by ``f`` after its
     GEMM, ``x`` by ``f`` before grad_weight's), so no pass rewrites the slab (a grad_weight filter's flags take a
     read of it). Not with a bias (its gradient is a sum over the slab) or label smoothing (a term on every
-    column): those take the per-tile form and the CE finish pass (:mod:`flce_policy.kernels.scaled_exp`)."""
-    return slab_form == "scaled_exp_rows" and not bias and not label_smoothing
+    column): those take the per-tile form and the CE finish pass (:mod:`flce_policy.kernels.scaled_exp`). Nor
+    with float16 logits: ``exp(z - z_y)`` up to ``exp(64)`` and the scaled ``x`` need bfloat16's exponent range."""
+    return slab_form == "scaled_exp_rows" and not bias and not label_smoothing and dtype == "bfloat16"
 
 
 def scaled_exp_slots(vocab: int) -> int:
