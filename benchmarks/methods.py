@@ -58,6 +58,8 @@ PEER_DEFAULTS = frozenset({"liger_c1_bf16", "liger_c1_fp32", "quack", "cce", "ea
 _ACCUM_DTYPES: dict[str, torch.dtype | None] = {"bf16": None, "fp32": torch.float32}
 #: The grad_weight filters benched: eps = 2^-12 and 2^-16 (issue 26's two), and two between them (the trade-off).
 FILTER_EXPONENTS = (12, 13, 14, 16)
+#: The two of them benched on the row-scaled form too.
+ROWS_FILTER_EXPONENTS = (12, 16)
 #: The family of the fixed-chunk rows on each slab form (tune chooses among them).
 FIXED_FAMILIES = {"logits": "ours fixed", "scaled_exp": "ours fixed scaled-exp"}
 #: The peak limit of the lean Fastest row: under liger-kernel fp32 (8.20 GiB at 32768x5376x262144)
@@ -381,6 +383,19 @@ def default_methods(
                 ours(lambda _inputs: policy, grad_weight_filter=eps),
                 options={"grad_weight_filter": eps},
                 plan=policy.resolve,
+            )
+        )
+    # and on the scaled-exp slab's row-scaled form, where the flags take a read of the slab and nothing rewrites it
+    rows_policy = scaled_exp_policy(policy, rows=True)
+    for exponent in ROWS_FILTER_EXPONENTS:
+        eps = 2.0**-exponent
+        methods.append(
+            Method(
+                f"ours_filter{exponent}_rows_bf16",
+                "ours filtered",
+                ours(lambda _inputs: rows_policy, grad_weight_filter=eps),
+                options={"grad_weight_filter": eps},
+                plan=rows_policy.resolve,
             )
         )
     methods.append(Method("quack", "quack", quack()))
