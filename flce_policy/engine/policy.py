@@ -511,8 +511,8 @@ def _slab_form_note(slab_form: str) -> str:
     if slab_form == "logits":
         return ", holding the logits (cuBLAS GEMM)"
     rows = (
-        ", and per row where the call has no bias or label smoothing: exp(z - z_y), no CE pass over the slab, the "
-        "backward GEMMs scaling its rows"
+        ", and per row where the call has no bias or label smoothing (bf16): exp(z - z_y), no CE pass over the "
+        "slab, the backward GEMMs scaling its rows"
         if slab_form == "scaled_exp_rows"
         else ""
     )
