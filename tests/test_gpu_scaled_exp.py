@@ -40,7 +40,7 @@ def test_errors_against_fp32_beside_the_logits_slab():
     x, w, y = make_inputs(BT, H, V, torch.bfloat16)
     ref_loss, ref_gx, ref_gw = chunked_fp32_reference(x, w, y)
     errors = {}
-    for form in ("logits", "scaled_exp"):
+    for form in ("logits", "scaled_exp", "scaled_exp_rows"):
         loss, gx, gw, _ = _call(x, w, y, form)
         errors[form] = {
             "loss": abs(loss.item() - ref_loss.item()),
@@ -52,16 +52,18 @@ def test_errors_against_fp32_beside_the_logits_slab():
         with open(report, "a") as f:
             f.write(json.dumps({"test": "scaled_exp_accuracy", "shape": [BT, H, V], **errors}) + "\n")
     print(json.dumps(errors))
-    for name in ("grad_input", "grad_weight"):
-        assert errors["scaled_exp"][name] < errors["logits"][name], name
-    assert errors["scaled_exp"]["loss"] <= errors["logits"]["loss"] + 1e-4
+    for form in ("scaled_exp", "scaled_exp_rows"):
+        for name in ("grad_input", "grad_weight"):
+            assert errors[form][name] < errors["logits"][name], (form, name)
+        assert errors[form]["loss"] <= errors["logits"]["loss"] + 1e-4, form
 
 
-def test_extras_against_fp32_beside_the_logits_slab():
+@pytest.mark.parametrize("form", ["scaled_exp", "scaled_exp_rows"])
+def test_extras_against_fp32_beside_the_logits_slab(form):
     x, w, y = make_inputs(BT, H, V, torch.bfloat16, seed=1)
     options = dict(return_predicted_tokens=True, return_entropy=True, return_z_loss=True, z_loss_scale=1e-4)
     logits = _call(x, w, y, "logits", **options)[3]
-    scaled = _call(x, w, y, "scaled_exp", **options)[3]
+    scaled = _call(x, w, y, form, **options)[3]
     # the argmax of the same bf16-rounded logits (the GEMMs may round a near-tie apart: allow a few)
     assert (scaled.predicted_tokens != logits.predicted_tokens).sum().item() <= BT // 1000
     with torch.no_grad():
@@ -70,11 +72,11 @@ def test_extras_against_fp32_beside_the_logits_slab():
         want_entropy = torch.where(valid, -(z.softmax(-1) * z.log_softmax(-1)).sum(-1), 0.0)
         want_z_loss = 1e-4 * (torch.logsumexp(z, -1) ** 2)[valid].mean()
     errors = {
-        form: (out.entropy.float() - want_entropy).abs().max().item()
-        for form, out in (("logits", logits), ("scaled_exp", scaled))
+        slab: (out.entropy.float() - want_entropy).abs().max().item()
+        for slab, out in (("logits", logits), (form, scaled))
     }
     print(json.dumps({"entropy_max_abs_error": errors}))
     # the stored exponentials carry no rounding of the logits: no worse than the logits slab, and close to fp32
-    assert errors["scaled_exp"] <= errors["logits"]
+    assert errors[form] <= errors["logits"]
     torch.testing.assert_close(scaled.entropy.float(), want_entropy, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(scaled.z_loss.float(), want_z_loss, rtol=1e-3, atol=1e-6)
