@@ -373,31 +373,21 @@ def default_methods(
                     plan=scaled_exp.resolve,
                 )
             )
-    # grad_weight_filter (issue 26): the default policy, grad_weight skipping the tiles below 2^-12 / 2^-16
-    for exponent in FILTER_EXPONENTS:
-        eps = 2.0**-exponent
-        methods.append(
-            Method(
-                f"ours_filter{exponent}_bf16",
-                "ours filtered",
-                ours(lambda _inputs: policy, grad_weight_filter=eps),
-                options={"grad_weight_filter": eps},
-                plan=policy.resolve,
+    # grad_weight_filter (issue 26): the default policy, grad_weight skipping the tiles below 2^-12 / 2^-16; and
+    # on the scaled-exp slab's row-scaled form, where the flags take a read of the slab and nothing rewrites it
+    filtered = [("", FILTER_EXPONENTS, policy), ("_rows", ROWS_FILTER_EXPONENTS, scaled_exp_policy(policy, rows=True))]
+    for suffix, exponents, filter_policy in filtered:
+        for exponent in exponents:
+            eps = 2.0**-exponent
+            methods.append(
+                Method(
+                    f"ours_filter{exponent}{suffix}_bf16",
+                    "ours filtered",
+                    ours(lambda _inputs, filter_policy=filter_policy: filter_policy, grad_weight_filter=eps),
+                    options={"grad_weight_filter": eps},
+                    plan=filter_policy.resolve,
+                )
             )
-        )
-    # and on the scaled-exp slab's row-scaled form, where the flags take a read of the slab and nothing rewrites it
-    rows_policy = scaled_exp_policy(policy, rows=True)
-    for exponent in ROWS_FILTER_EXPONENTS:
-        eps = 2.0**-exponent
-        methods.append(
-            Method(
-                f"ours_filter{exponent}_rows_bf16",
-                "ours filtered",
-                ours(lambda _inputs: rows_policy, grad_weight_filter=eps),
-                options={"grad_weight_filter": eps},
-                plan=rows_policy.resolve,
-            )
-        )
     methods.append(Method("quack", "quack", quack()))
     methods.append(Method("cce", "cce", cce()))
     methods.append(Method("cce_nofilter", "cce", cce(None)))
