@@ -345,3 +345,20 @@ def test_the_rows_form_is_a_strategy_parameter():
         ScaledExp({"strategy": "heuristic_c", "c": 16}, rows="yes").geometry(
             Problem(BT, H, V, "bfloat16"), DeviceInfo.synthetic("H200")
         )
+
+
+@pytest.mark.parametrize(
+    ("form", "kw", "want"),
+    [
+        ("scaled_exp_rows", dict(bias=False, label_smoothing=0.0), True),
+        ("scaled_exp_rows", dict(bias=True, label_smoothing=0.0), False),
+        ("scaled_exp_rows", dict(bias=False, label_smoothing=0.1), False),
+        ("scaled_exp_rows", dict(bias=False, label_smoothing=0.0, dtype="float16"), False),
+        ("scaled_exp", dict(bias=False, label_smoothing=0.0), False),
+        ("logits", dict(bias=False, label_smoothing=0.0), False),
+    ],
+)
+def test_which_calls_run_the_row_scaled_form(form, kw, want):
+    from flce_policy.plan.scaled_exp import row_scaled
+
+    assert row_scaled(form, **kw) is want
