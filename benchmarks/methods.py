@@ -23,6 +23,7 @@ from flce_policy.plan.device import DeviceInfo
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.memory import predict_peak
 from flce_policy.plan.problem import Problem
+from flce_policy.plan.scaled_exp import is_scaled_exp
 from flce_policy.plan.units import parse_bytes
 
 if TYPE_CHECKING:
@@ -61,7 +62,11 @@ FILTER_EXPONENTS = (12, 13, 14, 16)
 #: The two of them benched on the row-scaled form too.
 ROWS_FILTER_EXPONENTS = (12, 16)
 #: The family of the fixed-chunk rows on each slab form (tune chooses among them).
-FIXED_FAMILIES = {"logits": "ours fixed", "scaled_exp": "ours fixed scaled-exp"}
+FIXED_FAMILIES = {
+    "logits": "ours fixed",
+    "scaled_exp": "ours fixed scaled-exp",
+    "scaled_exp_rows": "ours fixed scaled-exp rows",
+}
 #: The peak limit of the lean Fastest row: under liger-kernel fp32 (8.20 GiB at 32768x5376x262144)
 #: by 5 GiB, and within it the two bf16 gradients (2.95 GiB there) and a 256 MiB slab.
 LEAN_PEAK = "3276MiB"
@@ -216,11 +221,11 @@ def eager(inputs: Inputs) -> LossFn:
 
 def _fixed_strategy(chunk: int | None, tokens: int, slab_form: str = "logits") -> ChunkStrategy:
     """FixedChunkSize(chunk), or one chunk of all ``tokens`` rows when ``chunk`` is None; on the scaled-exp
-    slab with ``slab_form="scaled_exp"``."""
+    slab with ``slab_form="scaled_exp"`` (``"scaled_exp_rows"``: its row-scaled form)."""
     from flce_policy.strategies import FixedChunkSize, ScaledExp
 
     fixed = FixedChunkSize(chunk or tokens)
-    return ScaledExp(fixed) if slab_form == "scaled_exp" else fixed
+    return ScaledExp(fixed, rows=slab_form == "scaled_exp_rows") if is_scaled_exp(slab_form) else fixed
 
 
 def _fixed_for_inputs(chunk: int | None, slab_form: str, inputs: Inputs) -> ChunkStrategy:
@@ -234,7 +239,8 @@ def _fixed_plan(chunk: int | None, slab_form: str, problem: Problem, device: Dev
 def fixed_chunk_methods(chunk_sizes: tuple[int, ...], accum: str, slab_form: str = "logits") -> list[Method]:
     """Our loss at each of ``chunk_sizes`` and at one chunk of all rows, on ``slab_form``'s slab, with ``accum``'s
     grad_weight accumulation: the rows ``ours_chunk{N}_{accum}`` / ``ours_one_chunk_{accum}`` (family
-    ``ours fixed``), or ``ours_scaled_exp_chunk{N}_{accum}`` ... (family ``ours fixed scaled-exp``)."""
+    ``ours fixed``), or ``ours_scaled_exp_chunk{N}_{accum}`` ... (family ``ours fixed scaled-exp``), or
+    ``ours_scaled_exp_rows_chunk{N}_{accum}`` ... (``ours fixed scaled-exp rows``)."""
     family, prefix = FIXED_FAMILIES[slab_form], "ours_" if slab_form == "logits" else f"ours_{slab_form}_"
     methods = []
     for chunk in (*chunk_sizes, None):

@@ -6,10 +6,11 @@ over the inputs by :mod:`flce_policy.benchmarks.suite`. A row *fits* when its me
 and its slab within ``--max-slab``.
 
 On a GPU that runs the scaled-exp slab (Hopper or later; :mod:`flce_policy.plan.scaled_exp`) the same
-chunk sizes are measured on that slab too, and a max_slab chosen for it the same way. The rule is then
-``scaled_exp`` around the slab_budget when at every shape its pick runs within :data:`TOLERANCE` of the
-logits slab's pick: within the noise it costs nothing, and its gradients are 2-4x closer to fp32
-(docs/results.md, Small heads).
+chunk sizes are measured on its two forms too (per tile, and row-scaled), and a max_slab chosen for each the
+same way. The rule is then ``scaled_exp`` around the slab_budget (``rows: true`` for the row-scaled form) of
+the form whose picks run within :data:`TOLERANCE` of the logits slab's at every shape, the faster of the two
+when both do (the row-scaled one on a tie): within the noise it costs nothing, and its gradients are 2-4x
+closer to fp32 (docs/results.md, Small heads).
 
 One ``max_slab`` serves every shape (a ``slab_budget`` rule picks per shape from it): of the
 slabs of fitting rows, the smallest at which every shape runs a measured, fitting chunk within
@@ -55,7 +56,7 @@ from flce_policy.plan.cost_model import DeviceRates, fit_rates, predict_seconds,
 from flce_policy.plan.device import TMA_COMPUTE_CAPABILITY, DeviceInfo
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.problem import Problem
-from flce_policy.plan.scaled_exp import scaled_exp_unsupported
+from flce_policy.plan.scaled_exp import is_scaled_exp, scaled_exp_unsupported
 from flce_policy.plan.units import exact_size, format_bytes, parse_bytes
 from flce_policy.plan.weight_filter import checked_filter_eps
 from flce_policy.strategies import ChunkStrategy, Fastest, ScaledExp, SlabBudget, StrategyError
@@ -85,6 +86,8 @@ TOLERANCE = 0.02
 SMALLEST_CHUNK = 256
 #: The slab form of each family of fixed-chunk rows (the benchmark's FIXED_FAMILIES, reversed).
 _FORM_OF_FAMILY = {family: form for form, family in FIXED_FAMILIES.items()}
+#: The scaled-exp forms tune measures, in the order that breaks a tie: the row-scaled one (no CE pass) first.
+_SCALED_FORMS = ("scaled_exp_rows", "scaled_exp")
 
 
 class Limits(NamedTuple):
@@ -105,7 +108,7 @@ class Limits(NamedTuple):
 @dataclass(frozen=True)
 class Choice:
     """The chosen ``max_slab``, the row it runs at each shape, and each shape's fastest fitting row, on one
-    slab form (``"logits"`` or ``"scaled_exp"``)."""
+    slab form (one of :data:`flce_policy.plan.scaled_exp.SLAB_FORMS`)."""
 
     max_slab: int
     picks: dict[Shape, Record]
@@ -132,7 +135,7 @@ def slab_forms_for(shape: Shape, device: DeviceInfo, dtype: str = "bfloat16") ->
     problem run it."""
     capable = device.compute_capability is not None and device.compute_capability >= TMA_COMPUTE_CAPABILITY
     if capable and scaled_exp_unsupported(Problem(*shape, dtype=dtype), shape[2]) is None:
-        return ("logits", "scaled_exp")
+        return ("logits", *_SCALED_FORMS)
     return ("logits",)
 
 
@@ -192,17 +195,18 @@ def choose(
     return Choice(slab, picks, fastest, bool(within), slab_form)
 
 
-def choose_slab_form(logits: Choice, scaled_exp: Choice | None, tolerance: float = TOLERANCE) -> Choice:
-    """``scaled_exp`` when it was measured and its pick runs within ``tolerance`` of the logits slab's pick at
-    every shape (the same time within the noise, and more accurate gradients), else ``logits``."""
-    if scaled_exp is None or set(scaled_exp.picks) != set(logits.picks):
-        return logits
-    if all(
-        scaled_exp.picks[s].median_ms <= (1 + tolerance) * logits.picks[s].median_ms  # type: ignore[operator]
-        for s in logits.picks
-    ):
-        return scaled_exp
-    return logits
+def choose_slab_form(logits: Choice, *scaled_exp: Choice | None, tolerance: float = TOLERANCE) -> Choice:
+    """Of the scaled-exp choices measured, those whose pick runs within ``tolerance`` of the logits slab's at every
+    shape (the same time within the noise, and more accurate gradients), the one with the smallest worst ratio to
+    it (the first given on a tie); else ``logits``."""
+    candidates = []
+    for order, choice in enumerate(scaled_exp):
+        if choice is None or set(choice.picks) != set(logits.picks):
+            continue
+        worst = max(choice.picks[s].median_ms / logits.picks[s].median_ms for s in logits.picks)  # type: ignore[operator]
+        if worst <= 1 + tolerance:
+            candidates.append((worst, order, choice))
+    return min(candidates, key=lambda c: c[:2])[2] if candidates else logits
 
 
 def _ours_by_shape(records: Iterable[Record], slab_form: str = "logits") -> dict[Shape, list[Record]]:
@@ -300,8 +304,8 @@ def tuned_policy(
 
 
 def on_slab_form(strategy: ChunkStrategy, slab_form: str) -> ChunkStrategy:
-    """``strategy``, wrapped in ``scaled_exp`` for that slab form."""
-    return ScaledExp(strategy) if slab_form == "scaled_exp" else strategy
+    """``strategy``, wrapped in ``scaled_exp`` for a scaled-exp slab form (``rows`` for the row-scaled one)."""
+    return ScaledExp(strategy, rows=slab_form == "scaled_exp_rows") if is_scaled_exp(slab_form) else strategy
 
 
 def _superseded(packaged: DeviceRule, tuned_match: str) -> bool:
@@ -339,15 +343,15 @@ def render(
     strategy: ChunkStrategy | None = None,
     packaged_rules: bool = True,
     grad_weight_filter: float | None = None,
-    other: Choice | None = None,
+    choices: dict[str, Choice] | None = None,
 ) -> str:
     """The policy file: ``about`` and the measurements as comments, then :func:`tuned_policy` as YAML.
-    ``other``: the choice on the slab form not written, when both were measured and chosen from."""
+    ``choices``: each slab form's choice, when several were measured and chosen from."""
     floors = {r.shape: r.median_ms for r in records if r.family == "floor" and r.median_ms}
     forms = [form for form in FIXED_FAMILIES if _ours_by_shape(records, form)]
     lines = [f"flce-policy tune on {device.describe()}", *about, f"limits: {limits.describe()}", ""]
     for form in forms:
-        on_form = choice if choice.slab_form == form else other if other and other.slab_form == form else None
+        on_form = choice if choice.slab_form == form else (choices or {}).get(form)
         if len(forms) > 1:
             lines += [f"on the {form} slab:", ""]
         for shape, rows in _ours_by_shape(records, form).items():
@@ -365,7 +369,7 @@ def render(
                     f"{on_form.ratio(shape):.3f}x the fastest that fits"
                 )
             lines.append("")
-    lines += _chosen_lines(choice, other)
+    lines += _chosen_lines(choice, choices or {})
     if strategy is not None:
         lines.append(f"written: {strategy!r} (the measured choice above is for comparison)")
     if grad_weight_filter is not None:
@@ -379,8 +383,8 @@ def render(
     return comments + rules.to_yaml()
 
 
-def _chosen_lines(choice: Choice, other: Choice | None) -> list[str]:
-    """What was chosen, and against the other slab form's choice when there is one."""
+def _chosen_lines(choice: Choice, choices: dict[str, Choice]) -> list[str]:
+    """What was chosen, and each scaled-exp form's choice against the logits slab's when several were made."""
     slab_text = exact_size(choice.max_slab)
     if choice.within_tolerance:
         lines = [
@@ -391,20 +395,23 @@ def _chosen_lines(choice: Choice, other: Choice | None) -> list[str]:
         lines = [
             f"chosen: max_slab {slab_text}; none is within {TOLERANCE:.0%} at every shape, it is closest ({worst:.3f}x)"
         ]
-    if other is None:
+    logits = choices.get("logits")
+    if logits is None or len(choices) < 2:
         return lines
     lines[0] += f", on the {choice.slab_form} slab"
-    scaled, logits = (choice, other) if choice.slab_form == "scaled_exp" else (other, choice)
-    for shape in logits.picks:
-        if shape in scaled.picks:
-            ratio = scaled.picks[shape].median_ms / logits.picks[shape].median_ms  # type: ignore[operator]
-            lines.append(
-                f"  {format_shape(shape)}: scaled-exp pick (max_slab {exact_size(scaled.max_slab)}) {ratio:.3f}x the "
-                f"logits pick's time (max_slab {exact_size(logits.max_slab)})"
-            )
+    for form, scaled in choices.items():
+        if form == "logits":
+            continue
+        for shape in logits.picks:
+            if shape in scaled.picks:
+                ratio = scaled.picks[shape].median_ms / logits.picks[shape].median_ms  # type: ignore[operator]
+                lines.append(
+                    f"  {format_shape(shape)}: {form} pick (max_slab {exact_size(scaled.max_slab)}) {ratio:.3f}x the "
+                    f"logits pick's time (max_slab {exact_size(logits.max_slab)})"
+                )
     lines.append(
-        f"the scaled-exp slab is written when its pick is within {TOLERANCE:.0%} of the logits slab's at every shape "
-        "(its gradients are 2-4x closer to fp32)"
+        f"a scaled-exp form is written when its picks are within {TOLERANCE:.0%} of the logits slab's at every shape "
+        "(its gradients are 2-4x closer to fp32), the faster of the two when both are"
     )
     return lines
 
@@ -537,14 +544,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:  # nothing measured fits the limits given
         raise UsageError(str(err)) from None
     about = _about(args)
-    scaled_exp = None
-    if _ours_by_shape(records, "scaled_exp"):
-        try:
-            scaled_exp = choose(records, limits, device=device, slab_form="scaled_exp")
-        except ValueError as err:
-            about.append(f"the scaled-exp slab: nothing chosen ({err})")
-    choice = choose_slab_form(logits, scaled_exp)
-    other = scaled_exp if choice is logits else logits
+    choices = {"logits": logits}
+    for form in _SCALED_FORMS:
+        if _ours_by_shape(records, form):
+            try:
+                choices[form] = choose(records, limits, device=device, slab_form=form)
+            except ValueError as err:
+                about.append(f"the {form} slab: nothing chosen ({err})")
+    choice = choose_slab_form(logits, *(choices.get(form) for form in _SCALED_FORMS))
     strategy, rates = None, None
     try:
         rates, worst = calibrate(records, device)
@@ -561,14 +568,15 @@ def run(args: argparse.Namespace) -> int:
         about.append(f"cost model not calibrated: {err}")
     text = render(
         choice, records, limits, device=device, about=about, strategy=strategy, packaged_rules=args.packaged_rules,
-        grad_weight_filter=args.grad_weight_filter, other=other if scaled_exp is not None else None,
+        grad_weight_filter=args.grad_weight_filter, choices=choices,
     )  # fmt: skip
     policy = FLCEPolicy.from_yaml_text(text, source=str(out))  # what is written must load; a failure is a bug
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text, encoding="utf-8")
     written = f"{strategy!r}" if strategy is not None else f"slab_budget max_slab {exact_size(choice.max_slab)}"
-    if strategy is None and choice.slab_form == "scaled_exp":
-        written = f"scaled_exp around {written}"
+    if strategy is None and is_scaled_exp(choice.slab_form):
+        form = " (rows)" if choice.slab_form == "scaled_exp_rows" else ""
+        written = f"scaled_exp{form} around {written}"
     print(
         f"wrote {out}: match {rule_match(device)} -> {written}; "
         f"check it with `flce-policy validate {out}`, use it with FLCE_POLICY_CONFIG={out}",
