@@ -308,9 +308,9 @@ def _ce_finish_kernel(
                 tl.store(target_coef_ptr + row, 0.0)
                 if row_scale_ptr is not None:
                     tl.store(row_scale_ptr + row, 0.0)
-            if not ROW_SCALED:  # (the row-scaled slab holds zeros there already, and its scale is 0)
-                for start in range(col_start, col_stop, BLOCK_V):
-                    offs = start + cols
+            for start in range(col_start, col_stop, BLOCK_V):
+                offs = start + cols
+                if not ROW_SCALED:  # (the row-scaled slab holds zeros there already, and its scale is 0)
                     zero = tl.zeros([BLOCK_V], dtype=row_ptr.dtype.element_ty)
                     tl.store(row_ptr + offs, zero, mask=offs < col_stop)
                 if FILTER:  # an ignored row's gradient is 0: nothing of it reaches grad_weight

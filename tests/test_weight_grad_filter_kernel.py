@@ -76,3 +76,22 @@ def test_two_chunks_against_fp64(hidden, cols, tma, with_weight):
         assert rel_err(grad_weight.cpu().double(), want_w) < TOL
         assert torch.all(grad_weight[FILTER_COLS : 2 * FILTER_COLS] == 0)  # column block 1: nothing kept
     assert rel_err(grad_bias.cpu().double(), want_b) < TOL
+
+
+def test_an_ignored_row_clears_its_flags_in_every_block_of_the_row():
+    """The CE finish kernel flags nothing on an ignored row, in each of its column blocks (V = 9000: three
+    blocks of 4096 columns), whatever the flags held before (here all set)."""
+    from flce_policy.kernels.ce_kernel import ce_rows, ce_workspace
+
+    rows, vocab = 4, 9000
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    target = torch.full((rows,), -100, dtype=torch.int64, device=DEVICE)
+    workspace = ce_workspace(rows, vocab, logits.device)
+    flags = filter_scratch(rows, vocab, logits.device).flags.fill_(1)
+    loss = torch.empty(rows, device=DEVICE)
+    grad_scale = torch.ones(2, device=DEVICE)
+    ce_rows(
+        logits, target, loss, workspace, ignore_index=-100, grad_scale=grad_scale, filter_flags=flags, filter_eps=0.5
+    )
+    assert workspace.block_v < vocab  # several blocks per row
+    assert not flags.any()
