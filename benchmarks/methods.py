@@ -23,7 +23,6 @@ from flce_policy.plan.device import DeviceInfo
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.memory import predict_peak
 from flce_policy.plan.problem import Problem
-from flce_policy.plan.scaled_exp import is_scaled_exp
 from flce_policy.plan.units import parse_bytes
 
 if TYPE_CHECKING:
@@ -222,10 +221,10 @@ def eager(inputs: Inputs) -> LossFn:
 def _fixed_strategy(chunk: int | None, tokens: int, slab_form: str = "logits") -> ChunkStrategy:
     """FixedChunkSize(chunk), or one chunk of all ``tokens`` rows when ``chunk`` is None; on the scaled-exp
     slab with ``slab_form="scaled_exp"`` (``"scaled_exp_rows"``: its row-scaled form)."""
-    from flce_policy.strategies import FixedChunkSize, ScaledExp
+    from flce_policy.strategies import FixedChunkSize
+    from flce_policy.strategies.scaled_exp import on_slab_form
 
-    fixed = FixedChunkSize(chunk or tokens)
-    return ScaledExp(fixed, rows=slab_form == "scaled_exp_rows") if is_scaled_exp(slab_form) else fixed
+    return on_slab_form(FixedChunkSize(chunk or tokens), slab_form)
 
 
 def _fixed_for_inputs(chunk: int | None, slab_form: str, inputs: Inputs) -> ChunkStrategy:

@@ -7,12 +7,12 @@ from typing import Any
 from flce_policy.plan.device import TMA_COMPUTE_CAPABILITY, DeviceInfo
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.problem import Problem
-from flce_policy.plan.scaled_exp import scaled_exp_unsupported
+from flce_policy.plan.scaled_exp import is_scaled_exp, scaled_exp_unsupported
 
 from .base import ChunkStrategy, StrategyError, builtin_strategy, checked_geometry
 from .nested import nested_config, nested_strategy, validate_nested
 
-__all__ = ["ScaledExp"]
+__all__ = ["ScaledExp", "on_slab_form"]
 
 
 @builtin_strategy
@@ -65,3 +65,8 @@ class ScaledExp(ChunkStrategy):
         config = super().to_config()
         nested_config(self, "inner", config)
         return config
+
+
+def on_slab_form(strategy: ChunkStrategy, slab_form: str) -> ChunkStrategy:
+    """``strategy``, wrapped in ``scaled_exp`` for a scaled-exp slab form (``rows`` for the row-scaled one)."""
+    return ScaledExp(strategy, rows=slab_form == "scaled_exp_rows") if is_scaled_exp(slab_form) else strategy

@@ -59,7 +59,8 @@ from flce_policy.plan.problem import Problem
 from flce_policy.plan.scaled_exp import is_scaled_exp, scaled_exp_unsupported
 from flce_policy.plan.units import exact_size, format_bytes, parse_bytes
 from flce_policy.plan.weight_filter import checked_filter_eps
-from flce_policy.strategies import ChunkStrategy, Fastest, ScaledExp, SlabBudget, StrategyError
+from flce_policy.strategies import ChunkStrategy, Fastest, SlabBudget, StrategyError
+from flce_policy.strategies.scaled_exp import on_slab_form
 
 __all__ = [
     "TOLERANCE",
@@ -301,11 +302,6 @@ def tuned_policy(
         min_chunk_size=packaged.min_chunk_size,
         source="flce-policy tune",
     )
-
-
-def on_slab_form(strategy: ChunkStrategy, slab_form: str) -> ChunkStrategy:
-    """``strategy``, wrapped in ``scaled_exp`` for a scaled-exp slab form (``rows`` for the row-scaled one)."""
-    return ScaledExp(strategy, rows=slab_form == "scaled_exp_rows") if is_scaled_exp(slab_form) else strategy
 
 
 def _superseded(packaged: DeviceRule, tuned_match: str) -> bool:

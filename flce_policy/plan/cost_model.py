@@ -140,6 +140,9 @@ def predict_seconds(
     kept = 1.0 - skipped_share if filtered else 1.0
     scaled_exp = is_scaled_exp(geometry.slab_form)
     rows = geometry.slab_form == "scaled_exp_rows"
+    # two reads and a write of the slab; the scaled-exp slab's partials come from the GEMM: a read and a write,
+    # and none in its row-scaled form (a read for a filter's flags)
+    ce_passes = int(filtered) if rows else 2 if scaled_exp else 3
     terms = {
         "gemm": (gemms - 1 if filtered else gemms) * one_gemm,
         # the scaled-exp slab's logits GEMM (its epilogue) over cuBLAS's
@@ -154,13 +157,7 @@ def predict_seconds(
         "grad_input_acc": (geometry.num_vocab_chunks - 1) * 2 * p.tokens * p.hidden * 4 / hbm
         if not geometry.is_row_only
         else 0.0,
-        # two reads and a write of the slab; the scaled-exp slab's partials come from the GEMM: a read and a write,
-        # and none in its row-scaled form (a read for a filter's flags)
-        "ce": (int(filtered) if rows else 2 if scaled_exp else 3)
-        * p.tokens
-        * p.vocab
-        * item
-        / (hbm * rates.ce_efficiency),
+        "ce": ce_passes * p.tokens * p.vocab * item / (hbm * rates.ce_efficiency),
         "row_scaling": 4 * p.tokens * p.hidden * item / hbm if rows else 0.0,
         "late_tiles": recomputed_columns
         * p.tokens
