@@ -237,8 +237,9 @@ def _eager_loss(
 
     The forward pass finishes the check once its kernels are queued (flce_policy/call/targets.py).
     """
+    # queued by the driver after its first GEMM (flce_policy/call/targets.py says why), at the latest by finish
     target, targets = start_target_check(
-        target, weight.shape[0], options.ignore_index, class_weight, options.reduction == "mean"
+        target, weight.shape[0], options.ignore_index, class_weight, options.reduction == "mean", deferred=True
     )
     if not x.shape[0]:
         return _apply(x, weight, bias, target, class_weight, None, options, None, compute_dtype, targets)

@@ -20,6 +20,7 @@ from .ce_kernel import ce_rows, ce_workspace
 from .driver_call import (
     CEParams,
     ChunkEvent,
+    DeferredTargets,
     DriverCall,
     DriverOutputs,
     GradRequest,
@@ -42,6 +43,7 @@ __all__ = [
     "GradRequest",
     "DriverOutputs",
     "DriverCall",
+    "DeferredTargets",
     "ChunkEvent",
     "run_geometry",
     "observe_chunks",
@@ -61,13 +63,16 @@ def run_geometry(
     class_weight: torch.Tensor | None = None,
     grad_scale: torch.Tensor | None = None,
     scale_per_row: bool = False,
+    deferred_targets: DeferredTargets | None = None,
 ) -> DriverOutputs:
     """Walk ``x [BT, H]`` in ``geometry.num_chunks`` chunks of ``geometry.chunk_size`` rows.
 
     Row-only geometry runs here; vocab-tiled geometry (``vocab_chunk < V``) in
     :mod:`flce_policy.kernels.vocab_tiled`. ``grad_scale`` multiplies dL/dlogits (``[scale_ce,
     scale_z]``, or per row with ``scale_per_row``); it is required when ``grads.any``. The
-    returned gradients are of the scaled loss. No host synchronisation happens here.
+    returned gradients are of the scaled loss. No host synchronisation happens here. With ``deferred_targets``,
+    ``target`` (and ``grad_scale``) are written by a kernel not queued yet: the driver queues it once the first
+    chunk's logits GEMM is (its kernels that read them come after).
     """
     geometry.check_tensors(x, weight)
     tokens, vocab = x.shape[0], weight.shape[0]
@@ -83,7 +88,9 @@ def run_geometry(
         grad_bias=torch.zeros(vocab, dtype=f32, device=device) if grads.bias else None,
         entropy_rows=torch.empty(tokens, dtype=f32, device=device) if params.entropy else None,
     )
-    call = DriverCall(x, weight, bias, target, geometry, params, grads, class_weight, grad_scale, scale_per_row)
+    call = DriverCall(
+        x, weight, bias, target, geometry, params, grads, class_weight, grad_scale, scale_per_row, deferred_targets
+    )  # fmt: skip
     (_run_rows if geometry.is_row_only else run_vocab_tiled)(call, outputs)
     # run() has returned, so its slab is freed before a cast allocates a second grad_weight.
     grad_weight, grad_bias = outputs.grad_weight, outputs.grad_bias
@@ -96,7 +103,7 @@ def run_geometry(
 
 def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
     """The row-only loop: one [chunk_size, V] slab, three GEMMs per chunk."""
-    x, weight, bias, target, geometry, params, grads, class_weight, grad_scale, scale_per_row = call
+    x, weight, bias, target, geometry, params, grads, class_weight, grad_scale, scale_per_row, deferred_targets = call
     loss_rows, z_loss_rows, argmax_rows, grad_input, grad_weight, grad_bias, entropy_rows = outputs
     tokens, chunk_size = x.shape[0], geometry.chunk_size
     slab = torch.empty((chunk_size, geometry.vocab_chunk), dtype=x.dtype, device=x.device)
@@ -140,7 +147,8 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
                     weight,
                     bias,
                     logits,
-                    chunk_rows["target"],
+                    # the target logit's kernel checks the range itself: the caller's targets while unchecked
+                    chunk_rows["target"] if deferred_targets is None else deferred_targets.given[start:stop],
                     workspace,
                     class_weight=class_weight,
                     label_smoothing=params.label_smoothing,
@@ -154,6 +162,8 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
                 torch.mm(x_chunk, weight_t, out=logits)
             else:
                 torch.addmm(bias, x_chunk, weight_t, out=logits)
+            if deferred_targets is not None:  # the first GEMM is queued: the check now (once; no-op after)
+                deferred_targets.queue()
             ce_rows(
                 logits,
                 workspace=workspace,

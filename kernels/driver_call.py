@@ -22,6 +22,7 @@ __all__ = [
     "GradRequest",
     "DriverOutputs",
     "DriverCall",
+    "DeferredTargets",
     "ChunkEvent",
     "observe_chunks",
     "inject_oom",
@@ -77,6 +78,15 @@ class DriverOutputs(NamedTuple):
     entropy_rows: torch.Tensor | None = None  # [BT] fp32, entropy of softmax(z) in nats (0 where ignored)
 
 
+class DeferredTargets(NamedTuple):
+    """Targets whose check is not queued yet: the driver calls ``queue`` once the first chunk's logits GEMM is
+    queued, so that the GEMM's launch does not wait on the host for the check's. ``given`` (the caller's
+    targets, unchecked) is what a kernel queued before it reads; such a kernel checks the range itself."""
+
+    given: torch.Tensor
+    queue: Callable[[], None]
+
+
 class DriverCall(NamedTuple):
     """One call's inputs, as :func:`run_geometry` received them, for the loop of its geometry family."""
 
@@ -90,6 +100,7 @@ class DriverCall(NamedTuple):
     class_weight: torch.Tensor | None
     grad_scale: torch.Tensor | None
     scale_per_row: bool
+    deferred_targets: DeferredTargets | None = None
 
 
 class ChunkEvent(NamedTuple):

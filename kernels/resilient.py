@@ -16,7 +16,7 @@ from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.oom import OOMFallback, OOMFallbackWarning
 from flce_policy.plan.units import format_bytes
 
-from .driver import CEParams, DriverOutputs, GradRequest, run_geometry
+from .driver import CEParams, DeferredTargets, DriverOutputs, GradRequest, run_geometry
 
 __all__ = ["run_with_oom_fallback"]
 
@@ -34,6 +34,7 @@ def run_with_oom_fallback(
     class_weight: torch.Tensor | None = None,
     grad_scale: torch.Tensor | None = None,
     scale_per_row: bool = False,
+    deferred_targets: DeferredTargets | None = None,
 ) -> tuple[DriverOutputs, Geometry]:
     """``run_geometry`` with the same arguments, and the geometry that completed.
 
@@ -43,7 +44,12 @@ def run_with_oom_fallback(
     At the floor the error is raised again, naming every chunk size tried. With ``fallback=None``
     (switched off in the policy) an OOM propagates untouched.
     """
-    options = {"class_weight": class_weight, "grad_scale": grad_scale, "scale_per_row": scale_per_row}
+    options = {
+        "class_weight": class_weight,
+        "grad_scale": grad_scale,
+        "scale_per_row": scale_per_row,
+        "deferred_targets": deferred_targets,  # queued by the first attempt that gets there, once
+    }
     if fallback is None:
         return run_geometry(x, weight, bias, target, geometry, params, grads, **options), geometry
     failed: list[Geometry] = []

@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "COUNT_AT", "GRAD_SCALES", "MASS_AT", "META_BAD", "META_POISON", "META_SIZE", "POISON_AT", "prepare_targets_",
+    "COUNT_AT", "GRAD_SCALES", "MASS_AT", "META_BAD", "META_POISON", "META_SIZE", "POISON_AT", "empty_meta",
+    "prepare_targets_",
 ]  # fmt: skip
 
 META_SIZE = 6
@@ -85,6 +86,11 @@ def _prepare_targets_kernel(
     tl.store(meta_ptr + POISON_AT, poison)
 
 
+def empty_meta(device: torch.device) -> torch.Tensor:
+    """An unwritten ``meta`` for :func:`prepare_targets_`'s ``out``."""
+    return torch.empty(META_SIZE, dtype=torch.float32, device=device)
+
+
 def prepare_targets_(
     target: torch.Tensor,
     vocab: int,
@@ -92,11 +98,12 @@ def prepare_targets_(
     class_weight: torch.Tensor | None,
     mean: bool,
     poison: bool = False,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(safe targets, meta)`` for ``target`` (1-D int64, contiguous); ``class_weight`` fp32 ``[V]`` or None;
-    ``poison``: a bad row makes the scales and ``meta[META_POISON]`` NaN."""
-    safe = torch.empty_like(target)
-    meta = torch.empty(META_SIZE, dtype=torch.float32, device=target.device)
+    ``poison``: a bad row makes the scales and ``meta[META_POISON]`` NaN; ``out``: the two to write (made here
+    otherwise: ``empty_like(target)`` and ``[META_SIZE]`` fp32)."""
+    safe, meta = out if out is not None else (torch.empty_like(target), empty_meta(target.device))
     _prepare_targets_kernel[(1,)](
         target, safe, class_weight, meta, target.numel(), vocab, ignore_index,
         HAS_WEIGHT=class_weight is not None, MEAN=mean, POISON=poison, BLOCK=_BLOCK,

@@ -26,7 +26,9 @@ __all__ = ["run_vocab_tiled"]
 
 def run_vocab_tiled(call: DriverCall, outputs: DriverOutputs) -> None:
     """Fill ``outputs`` (the driver's buffers) for a vocab-tiled ``geometry``; see the module docstring."""
-    x, _, _, target, geometry, _, grads, _, grad_scale, scale_per_row = call
+    x, _, _, target, geometry, _, grads, _, grad_scale, scale_per_row, deferred_targets = call
+    if deferred_targets is not None:  # every kernel here reads the safe targets
+        deferred_targets.queue()
     run = _TiledRun(call, outputs)
     chunk_size, tokens = geometry.chunk_size, x.shape[0]
     for index in range(geometry.num_chunks):

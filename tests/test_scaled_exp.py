@@ -362,3 +362,59 @@ def test_which_calls_run_the_row_scaled_form(form, kw, want):
     from flce_policy.plan.scaled_exp import row_scaled
 
     assert row_scaled(form, **kw) is want
+
+
+@pytest.mark.parametrize("form", ["logits", *FORMS])
+def test_the_target_check_is_queued_after_the_first_logits_gemm(monkeypatch, form):
+    """The check's kernel waits for the first chunk's logits GEMM on the host (flce_policy/call/targets.py), and
+    comes before every kernel that reads the safe targets (the CE finish)."""
+    import flce_policy.call.targets as targets_module
+    import flce_policy.kernels.driver as driver
+
+    order = []
+
+    def spy(module, name, label):
+        real = getattr(module, name)
+
+        def wrapped(*args, **kwargs):
+            order.append(label)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapped)
+
+    spy(targets_module, "prepare_targets_", "check")
+    spy(driver, "scaled_exp_logits", "gemm")
+    spy(driver, "ce_rows", "finish")
+    if form == "logits":
+        monkeypatch.setattr(driver, "torch", _MmSpy(order))
+    t = inputs(seed=8)
+    got_loss, _, got = run(t, geometry(form))
+    assert order[:3] == ["gemm", "check", "finish"] and order.count("check") == 1, order
+    want_loss, want = reference(t)
+    assert torch.allclose(got_loss.double(), want_loss, rtol=LOSS_TOL)
+    assert rel_l2(got["w"], want["w"]) < GRAD_TOL and rel_l2(got["x"], want["x"]) < GRAD_TOL
+
+
+class _MmSpy:
+    """``torch`` for the driver's module, recording each logits GEMM."""
+
+    def __init__(self, order: list[str]) -> None:
+        self._order = order
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    def mm(self, *args, **kwargs):
+        if kwargs.get("out") is not None and kwargs["out"].shape[1] == V:
+            self._order.append("gemm")
+        return torch.mm(*args, **kwargs)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_target_outside_the_vocabulary_still_raises_with_the_check_deferred(form):
+    """The first chunk's target-logit kernel runs on the caller's unchecked targets: a bad index there must still
+    be the check's ValueError, not a read outside W."""
+    t = inputs(seed=9)
+    t["y"][3] = V + 5
+    with pytest.raises(ValueError, match=rf"target holds index {V + 5}, outside \[0, V={V}\)"):
+        run(t, geometry(form))

@@ -25,7 +25,7 @@ import torch
 from flce_policy.call.options import LossOptions
 from flce_policy.call.resolve import geometry_for_call
 from flce_policy.call.targets import TargetCheck
-from flce_policy.kernels.driver import CEParams, DriverOutputs, GradRequest
+from flce_policy.kernels.driver import CEParams, DeferredTargets, DriverOutputs, GradRequest
 from flce_policy.kernels.loss_total import loss_totals
 from flce_policy.kernels.resilient import run_with_oom_fallback
 from flce_policy.kernels.scale import scale_all_unless_one_
@@ -267,6 +267,7 @@ def forward_pass(
             fallback,
             class_weight=class_weight,
             grad_scale=grad_scale,
+            deferred_targets=None if targets.queued else DeferredTargets(targets.given_target(), targets.queue),
         )
     targets.finish()
 

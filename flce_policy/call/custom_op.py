@@ -205,7 +205,9 @@ def _checked_targets(
     Outside CUDA-graph capture: the eager path's check, a ValueError once the call's work is queued.
     While capturing (no host read allowed): bad rows run as ignored and the poison makes the loss NaN.
     """
-    return TargetCheck(target, vocab, ignore_index, class_weight, mean, host_check=_host_sync_allowed(target.device))
+    return TargetCheck(
+        target, vocab, ignore_index, class_weight, mean, host_check=_host_sync_allowed(target.device), deferred=True
+    )  # fmt: skip
 
 
 def _empty(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
