@@ -58,8 +58,6 @@ PEER_DEFAULTS = frozenset({"liger_c1_bf16", "liger_c1_fp32", "quack", "cce", "ea
 _ACCUM_DTYPES: dict[str, torch.dtype | None] = {"bf16": None, "fp32": torch.float32}
 #: The grad_weight filters benched: eps = 2^-12 and 2^-16 (issue 26's two), and two between them (the trade-off).
 FILTER_EXPONENTS = (12, 13, 14, 16)
-#: The two of them benched on the row-scaled form too.
-ROWS_FILTER_EXPONENTS = (12, 16)
 #: The family of the fixed-chunk rows on each slab form (tune chooses among them).
 FIXED_FAMILIES = {
     "logits": "ours fixed",
@@ -378,21 +376,19 @@ def default_methods(
                     plan=scaled_exp.resolve,
                 )
             )
-    # grad_weight_filter (issue 26): the default policy, grad_weight skipping the tiles below 2^-12 / 2^-16; and
-    # on the scaled-exp slab's row-scaled form, where the flags take a read of the slab and nothing rewrites it
-    filtered = [("", FILTER_EXPONENTS, policy), ("_rows", ROWS_FILTER_EXPONENTS, scaled_exp_policy(policy, rows=True))]
-    for suffix, exponents, filter_policy in filtered:
-        for exponent in exponents:
-            eps = 2.0**-exponent
-            methods.append(
-                Method(
-                    f"ours_filter{exponent}{suffix}_bf16",
-                    "ours filtered",
-                    ours(lambda _inputs, filter_policy=filter_policy: filter_policy, grad_weight_filter=eps),
-                    options={"grad_weight_filter": eps},
-                    plan=filter_policy.resolve,
-                )
+    # grad_weight_filter (issue 26): the default policy (on the H200 the scaled-exp slab's row-scaled form, where
+    # the flags take a read of the slab), grad_weight skipping the tiles below 2^-12 ... 2^-16
+    for exponent in FILTER_EXPONENTS:
+        eps = 2.0**-exponent
+        methods.append(
+            Method(
+                f"ours_filter{exponent}_bf16",
+                "ours filtered",
+                ours(lambda _inputs: policy, grad_weight_filter=eps),
+                options={"grad_weight_filter": eps},
+                plan=policy.resolve,
             )
+        )
     methods.append(Method("quack", "quack", quack()))
     methods.append(Method("cce", "cce", cce()))
     methods.append(Method("cce_nofilter", "cce", cce(None)))

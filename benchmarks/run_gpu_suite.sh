@@ -62,7 +62,7 @@ while [ $# -gt 0 ]; do
       python3 -m flce_policy.benchmarks.trained_inputs --out "$d" 2>&1 | tee "$d/trained_inputs.log" || status=1
       # issue 26's rows (the floor always runs) on the trained model's held-out inputs, then on random
       # logits (std 4) of the same shape, where nothing is skippable; time and peak, then the errors
-      methods=(ours_default_bf16 ours_scaled_exp_rows_bf16 'ours_filter*' liger_c16_bf16 'cce*')
+      methods=(ours_default_bf16 ours_scaled_exp_bf16 'ours_filter*' liger_c16_bf16 'cce*')
       for inputs in trained random; do
         if [ "$inputs" = trained ]; then pick=(--inputs trained); else pick=(--shapes 16384x1024x131072); fi
         python3 -m flce_policy.cli bench "${pick[@]}" --methods "${methods[@]}" --out "$d/bench-$inputs" 2>&1 \

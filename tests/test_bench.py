@@ -456,7 +456,6 @@ ALL_NAMES = [
     "ours_scaled_exp_rows_bf16",
     "ours_scaled_exp_rows_fp32",
     *(f"ours_filter{n}_bf16" for n in (12, 13, 14, 16)),
-    *(f"ours_filter{n}_rows_bf16" for n in (12, 16)),
     "quack",
     "cce",
     "cce_nofilter",
