@@ -388,8 +388,18 @@ def _ce_finish_kernel(
                     elif row_scale_ptr is not None:  # a redone chunk: the slab will hold the gradient itself
                         tl.store(row_scale_ptr + row, 1.0)
                 coef_y = 0.0
-            # no pass over a row-scaled slab (the GEMMs scale its rows) but a read for a filter's flags
-            if not ROW_SCALED or FILTER:
+            if ROW_SCALED and FILTER:
+                # no pass over a row-scaled slab (the GEMMs scale its rows): a filter's flags from the row maxima
+                # of z per half tile that the GEMM's epilogue wrote; off the target p_c >= eps is z_c - lse >= log(eps)
+                tl.static_assert(SCALED_EXP_TILE == 2 * FLAG_COLS, "two flags per partial slot")
+                for start in range(col_start, col_stop, BLOCK_V):
+                    group = start // FLAG_COLS + tl.arange(0, FLAG_GROUPS)
+                    inside = group * FLAG_COLS < col_stop
+                    half_plane = (2 + group % 2) * plane
+                    z_max = tl.load(partials_ptr + half_plane + row * NUM_SLOTS + group // 2, mask=inside, other=0.0)
+                    keep = (z_max - lse >= filter_log_eps) | (group == local_target // FLAG_COLS)
+                    tl.store(flags_ptr + row * flag_row_stride + group, keep.to(tl.uint8), mask=inside)
+            if not ROW_SCALED:
                 for start in range(col_start, col_stop, BLOCK_V):
                     offs = start + cols
                     mask = offs < col_stop

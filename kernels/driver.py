@@ -157,6 +157,7 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
                     ignore_index=params.ignore_index,
                     row_scaled=row_scaled and not redo,
                     redo=redo,
+                    flag_maxima=scratch is not None,
                 )
             elif bias is None:
                 torch.mm(x_chunk, weight_t, out=logits)

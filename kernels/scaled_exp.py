@@ -90,6 +90,7 @@ def _scaled_exp_gemm_kernel(
     EVEN_N: tl.constexpr,
     ROW_SHIFT: tl.constexpr,
     REDO_ONLY: tl.constexpr,
+    FLAG_MAXIMA: tl.constexpr,
     NUM_SLOTS: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -148,7 +149,18 @@ def _scaled_exp_gemm_kernel(
             # exp(z - z_y) per row (+inf where ignored: zeros); a row whose logits lie more than SHIFT_LIMIT above
             # its target's would overflow: the chunk is flagged to be redone per tile (clamped meanwhile)
             m = tl.load(shift_ptr + rows, mask=row_ok, other=float("inf"))
-            over = tl.max(acc, axis=1) - m > SHIFT_LIMIT
+            if FLAG_MAXIMA:
+                # a grad_weight filter's inputs: each half's row maxima (the filter's columns are half a tile), in
+                # the smoothing planes, which the row-scaled form leaves unused; the CE finish flags from them
+                lower = (tl.arange(0, BLOCK_N) < BLOCK_N // 2)[None, :]
+                lower_max = tl.max(tl.where(lower, acc, -float("inf")), axis=1)
+                upper_max = tl.max(tl.where(lower, -float("inf"), acc), axis=1)
+                tl.store(partials_ptr + 2 * plane + slot, lower_max, mask=row_ok)
+                tl.store(partials_ptr + 3 * plane + slot, upper_max, mask=row_ok)
+                row_max = tl.maximum(lower_max, upper_max)
+            else:
+                row_max = tl.max(acc, axis=1)
+            over = row_max - m > SHIFT_LIMIT
             tl.store(redo_ptr, 1, mask=tl.max(over.to(tl.int32), axis=0) > 0)
             e = tl.exp(tl.minimum(acc - m[:, None], SHIFT_LIMIT))
         else:
@@ -211,6 +223,7 @@ def scaled_exp_logits(
     ignore_index: int = -100,
     row_scaled: bool = False,
     redo: bool = False,
+    flag_maxima: bool = False,
 ) -> None:
     """``slab [n, V] = exp(z - m_tile)`` for ``z = x_chunk @ weight.T (+ bias)``, and the rows' partials in
     ``workspace`` (made by :func:`.ce_kernel.ce_workspace` with ``scaled_exp=True``); the target logits first.
@@ -218,8 +231,9 @@ def scaled_exp_logits(
     ``row_scaled``: ``exp(z - z_y)`` per row instead (``+inf`` shifts on ignored rows), each slot's reference
     the row's shift, and the workspace's redo flag set where a row's logits lie more than :data:`SHIFT_LIMIT`
     above its target's. ``redo``: the per-tile form again, over the same chunk, only where that flag is set
-    (no tiles otherwise; the target logits are kept). Nothing is checked here: a geometry has this slab form
-    only where :mod:`flce_policy.plan.scaled_exp` says it can run."""
+    (no tiles otherwise; the target logits are kept). ``flag_maxima`` (row-scaled only): each half tile's row
+    maxima of ``z`` too, for a grad_weight filter's flags (:func:`.ce_kernel.ce_finish`). Nothing is checked
+    here: a geometry has this slab form only where :mod:`flce_policy.plan.scaled_exp` says it can run."""
     n_rows, hidden = x_chunk.shape
     n_cols = weight.shape[0]
     block_m, block_n, block_k, group_m, num_warps, num_stages = _LAUNCH
@@ -256,6 +270,7 @@ def scaled_exp_logits(
         EVEN_N=n_cols % block_n == 0,
         ROW_SHIFT=row_scaled,
         REDO_ONLY=redo,
+        FLAG_MAXIMA=row_scaled and flag_maxima,
         NUM_SLOTS=ws.slots,
         NUM_PROGRAMS=programs,
         BLOCK_M=block_m,

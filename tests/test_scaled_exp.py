@@ -418,3 +418,52 @@ def test_a_target_outside_the_vocabulary_still_raises_with_the_check_deferred(fo
     t["y"][3] = V + 5
     with pytest.raises(ValueError, match=rf"target holds index {V + 5}, outside \[0, V={V}\)"):
         run(t, geometry(form))
+
+
+def _peaked(seed: int) -> dict[str, torch.Tensor]:
+    """A "trained" head without a bias: frequent classes in columns 128-255 and 512-599 only (a last hidden column
+    of ones meets a per-class offset in W: 3 there, -9 elsewhere; the kept tiles are not the same set with the two
+    halves of a 256-column slot swapped), targets drawn from the model's own softmax."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(BT, H, generator=g)
+    x[:, -1] = 1.0
+    w = torch.randn(V, H, generator=g) * (1.5 / H**0.5)
+    w[:, -1] = -9.0
+    w[128:256, -1] = w[512:, -1] = 3.0
+    y = torch.multinomial((x.double() @ w.double().T).softmax(-1).float(), 1, generator=g).squeeze(1)
+    y[torch.randperm(BT, generator=g)[:5]] = -100
+    return {"x": x.to(torch.bfloat16).to(DEVICE), "w": w.to(torch.bfloat16).to(DEVICE), "y": y.to(DEVICE)}
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_filter_keeps_the_tiles_fp64_keeps(form):
+    """The flags (on the row-scaled form from the GEMM epilogue's row maxima, per tile from the finish pass over the
+    slab) keep exactly the FILTER_ROWS x FILTER_COLS tiles where fp64's |p - onehot| reaches eps or the target lies."""
+    from test_weight_grad_filter import _tiles_kept
+
+    eps = 2.0**-8
+    t = _peaked(seed=11)
+    z = t["x"].double() @ t["w"].double().T
+    valid = t["y"] != -100
+    deviation = (z.softmax(-1) - F.one_hot(t["y"].clamp_min(0), V).double() * valid[:, None]).abs()
+
+    def kept(threshold: float) -> int:
+        keep = ((deviation >= threshold) | (F.one_hot(t["y"].clamp_min(0), V) > 0)) & valid[:, None]
+        return int(_tiles_kept(keep, CHUNK, V)[0].sum())
+
+    want = kept(eps)
+    assert kept(eps * (1 - 1e-3)) == want == kept(eps * (1 + 1e-3)), "a tile hangs on an entry within 0.1% of eps"
+    dense = run(t, geometry(form))
+    with observe_tiles() as counts:
+        filtered = run(t, geometry(form), grad_weight_filter=eps)
+    total = sum(c.total for c in counts)
+    assert sum(int(c.kept) for c in counts) == want and 0 < want < total
+    assert torch.equal(filtered[0], dense[0]) and torch.equal(filtered[2]["x"], dense[2]["x"])
+    # grad_weight: fp64's over the kept tiles only (mean: dL/dz = (p - onehot) / kept rows); the skipped tiles of
+    # these logits carry too little to tell apart from the dense gradient at bf16's error: the count above does
+    onehot = F.one_hot(t["y"].clamp_min(0), V).double() * valid[:, None]
+    grad = (z.softmax(-1) - onehot) * valid[:, None] / valid.sum()
+    keep = ((deviation >= eps) | (onehot > 0)) & valid[:, None]
+    tiles, row_tile, col_tile = _tiles_kept(keep, CHUNK, V)
+    mask = tiles[row_tile][:, col_tile].to(grad.device)
+    assert rel_l2(filtered[2]["w"], (grad * mask).T @ t["x"].double()) < GRAD_TOL

@@ -141,8 +141,8 @@ def predict_seconds(
     scaled_exp = is_scaled_exp(geometry.slab_form)
     rows = geometry.slab_form == "scaled_exp_rows"
     # two reads and a write of the slab; the scaled-exp slab's partials come from the GEMM: a read and a write,
-    # and none in its row-scaled form (a read for a filter's flags)
-    ce_passes = int(filtered) if rows else 2 if scaled_exp else 3
+    # and none in its row-scaled form (a filter's flags come from the GEMM's epilogue too)
+    ce_passes = 0 if rows else 2 if scaled_exp else 3
     terms = {
         "gemm": (gemms - 1 if filtered else gemms) * one_gemm,
         # the scaled-exp slab's logits GEMM (its epilogue) over cuBLAS's
