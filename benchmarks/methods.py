@@ -352,15 +352,21 @@ def default_methods(
     # Within Liger C=16's memory: the cost model's pick under the peak our memory model predicts for
     # Liger's own chunk (it matches Liger's measured peak to 0.1 MB, results/2026-11-29-h200).
     within_liger = Fastest(max_slab="64GiB", max_peak=HeuristicC(16))
-    methods.append(
-        Method(
-            "ours_within_liger_c16_peak_bf16",
-            "ours within peak",
-            ours(lambda _inputs: within_liger),
-            options={"max_peak": "liger_c16"},
-            plan=within_liger.geometry,
-        )
+    # and on the row-scaled slab where it runs, its partials and scaled x_c in the peak: the largest multiple of
+    # 128 rows under Liger's peak (a power of two under it is half Liger's chunk)
+    within_liger_rows = Fastest(
+        max_slab="64GiB", max_peak=HeuristicC(16), slab_form="scaled_exp_rows", chunk_multiple=128
     )
+    for suffix, strategy in (("", within_liger), ("_rows", within_liger_rows)):
+        methods.append(
+            Method(
+                f"ours_within_liger_c16_peak{suffix}_bf16",
+                "ours within peak",
+                ours(lambda _inputs, strategy=strategy: strategy),
+                options={"max_peak": "liger_c16"},
+                plan=strategy.geometry,
+            )
+        )
     # The scaled-exp slab (issue 25) at the default policy's chunks (each rule's strategy wrapped), with bf16 and
     # fp32 grad_weight accumulation (the target's one-hot term goes beside an fp32 one: kernels/target_grad.py)
     # (and _rows: its row-scaled form where the call allows, no CE pass over the slab)

@@ -64,7 +64,8 @@ def label_text(r: Record) -> str:
     if r.family == "ours filtered":
         return f"filter 2^-{r.method.removeprefix('ours_filter').split('_')[0]}{chunk}"
     if r.family == "ours within peak":
-        return f"within Liger c16's peak{chunk}"
+        rows = ", row-scaled" if "_rows_" in r.method else ""
+        return f"within Liger c16's peak{rows}{chunk}"
     return {"cce": "CCE", "cce_nofilter": "CCE, no filter", "quack": "QuACK"}.get(r.method, r.method)
 
 

@@ -10,6 +10,7 @@ from flce_policy.plan.device import DeviceInfo
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.memory import predict_peak
 from flce_policy.plan.problem import Problem
+from flce_policy.plan.scaled_exp import SLAB_FORMS, runnable_slab_form
 from flce_policy.plan.units import format_bytes, parse_bytes
 
 from .base import ChunkStrategy, StrategyError, builtin_strategy, checked_geometry
@@ -32,7 +33,12 @@ class Fastest(ChunkStrategy):
     ``Fastest(max_peak=HeuristicC(16))`` is the fastest geometry within Liger-Kernel C=16's memory.
 
     Candidates: power-of-two row chunks (and all BT rows) over the whole vocabulary, and the same
-    row chunks over power-of-two vocab tiles (>= 1024 columns). ``accum`` is the grad_weight
+    row chunks over power-of-two vocab tiles (>= 1024 columns); with ``chunk_multiple=N`` also the largest
+    multiple of N rows over the whole vocabulary within the limits (a peak limit rarely falls on a power of
+    two). ``slab_form`` is the slab the whole-vocabulary candidates are planned and priced on, where the problem
+    and the GPU run it (:func:`flce_policy.plan.scaled_exp.runnable_slab_form`; vocab tiles run the logits slab):
+    the scaled-exp forms' partials and the row-scaled form's scaled x_c count in the peak, and their fewer
+    passes over the slab in the time. ``accum`` is the grad_weight
     accumulation planned, and the geometry carries it to the loss: "bf16" (the weight dtype) or
     "fp32" (fp32-accurate weight gradients; an fp32 buffer, except that one row chunk writes each
     slice once and needs none, which the model accounts for). ``rates`` overrides the
@@ -48,11 +54,15 @@ class Fastest(ChunkStrategy):
         accum: str = "bf16",
         max_peak: int | str | ChunkStrategy | dict[str, Any] | None = None,
         rates: dict[str, float] | None = None,
+        slab_form: str = "logits",
+        chunk_multiple: int | None = None,
     ) -> None:
         self.max_slab = max_slab
         self.accum = accum
         self.max_peak = max_peak
         self.rates = rates
+        self.slab_form = slab_form
+        self.chunk_multiple = chunk_multiple
 
     def validate_params(self) -> None:
         try:
@@ -71,6 +81,16 @@ class Fastest(ChunkStrategy):
             raise StrategyError(f"fastest: accum must be 'bf16' or 'fp32', got {self.accum!r}", param="accum")
         if self.rates is not None:
             _checked_rates(self.rates)
+        if self.slab_form not in SLAB_FORMS:
+            raise StrategyError(
+                f"fastest: slab_form must be one of {', '.join(SLAB_FORMS)}, got {self.slab_form!r}", param="slab_form"
+            )
+        multiple = self.chunk_multiple
+        if multiple is not None and (isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1):
+            raise StrategyError(
+                f"fastest: chunk_multiple must be a positive number of rows (or null), got {multiple!r}",
+                param="chunk_multiple",
+            )
 
     def peak_limit(self, problem: Problem, device: DeviceInfo | None = None) -> int | None:
         """``max_peak`` in bytes for ``problem`` (a strategy's predicted peak needs the ``device`` it plans for)."""
@@ -91,16 +111,33 @@ class Fastest(ChunkStrategy):
         accum_dtype, label = self.planned_accum_dtype(), repr(self)
         rows = sorted({*_powers_of_two(problem.tokens), problem.tokens})
         columns = [c for c in _powers_of_two(problem.vocab) if c >= _MIN_VOCAB_CHUNK and c < problem.vocab]
-        out = []
-        for chunk in rows:
-            for vocab_chunk in (problem.vocab, *columns):
-                if chunk * vocab_chunk * problem.itemsize > limit:
-                    continue
-                geometry = Geometry.for_problem(
-                    problem, chunk, vocab_chunk=vocab_chunk, accum_dtype=accum_dtype, strategy=label
-                )
-                if peak_limit is None or predict_peak(geometry).total_bytes <= peak_limit:
-                    out.append(geometry)
+        forms = {
+            vocab_chunk: runnable_slab_form(self.slab_form, problem, vocab_chunk, device or DeviceInfo.cpu())
+            for vocab_chunk in (problem.vocab, *columns)
+        }
+
+        def fitting(chunk: int, vocab_chunk: int) -> Geometry | None:
+            if chunk * vocab_chunk * problem.itemsize > limit:
+                return None
+            geometry = Geometry.for_problem(
+                problem, chunk, vocab_chunk=vocab_chunk, accum_dtype=accum_dtype, strategy=label,
+                slab_form=forms[vocab_chunk],
+            )  # fmt: skip
+            return geometry if peak_limit is None or predict_peak(geometry).total_bytes <= peak_limit else None
+
+        out = [g for chunk in rows for vocab_chunk in forms if (g := fitting(chunk, vocab_chunk)) is not None]
+        if self.chunk_multiple is not None:
+            # the peak and the slab grow with the rows: bisect the largest multiple that fits
+            low, high = 0, problem.tokens // self.chunk_multiple
+            while low < high:
+                middle = (low + high + 1) // 2
+                if fitting(middle * self.chunk_multiple, problem.vocab) is not None:
+                    low = middle
+                else:
+                    high = middle - 1
+            largest = fitting(low * self.chunk_multiple, problem.vocab) if low else None
+            if largest is not None and largest.chunk_size not in {g.chunk_size for g in out if g.is_row_only}:
+                out.append(largest)
         if not out:
             raise StrategyError(
                 f"fastest: no geometry of {problem.describe()} fits max_slab={self.max_slab!r}"
@@ -138,7 +175,14 @@ class Fastest(ChunkStrategy):
         return self.geometry(problem, device).chunk_size
 
     def get_params(self) -> dict[str, Any]:
-        return {"max_slab": self.max_slab, "accum": self.accum, "max_peak": self.max_peak, "rates": self.rates}
+        return {
+            "max_slab": self.max_slab,
+            "accum": self.accum,
+            "max_peak": self.max_peak,
+            "rates": self.rates,
+            "slab_form": self.slab_form,
+            "chunk_multiple": self.chunk_multiple,
+        }
 
     def to_config(self) -> dict[str, Any]:
         config = super().to_config()

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from flce_policy.plan.device import TMA_COMPUTE_CAPABILITY, DeviceInfo
+from flce_policy.plan.device import DeviceInfo
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.problem import Problem
-from flce_policy.plan.scaled_exp import is_scaled_exp, scaled_exp_unsupported
+from flce_policy.plan.scaled_exp import is_scaled_exp, runnable_slab_form
 
 from .base import ChunkStrategy, StrategyError, builtin_strategy, checked_geometry
 from .nested import nested_config, nested_strategy, validate_nested
@@ -56,9 +56,7 @@ class ScaledExp(ChunkStrategy):
     def geometry(self, problem: Problem, device: DeviceInfo, *, rule: str | None = None) -> Geometry:
         self.validate_params()
         inner = checked_geometry(nested_strategy(self, "inner"), problem, device, rule=rule)  # type: ignore[arg-type]
-        capable = device.compute_capability is None or device.compute_capability >= TMA_COMPUTE_CAPABILITY
-        runs = capable and scaled_exp_unsupported(problem, inner.vocab_chunk) is None
-        form = ("scaled_exp_rows" if self.rows else "scaled_exp") if runs else "logits"
+        form = runnable_slab_form("scaled_exp_rows" if self.rows else "scaled_exp", problem, inner.vocab_chunk, device)
         return inner.with_slab_form(form).with_origin(strategy=repr(self))
 
     def to_config(self) -> dict[str, Any]:

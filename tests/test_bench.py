@@ -451,6 +451,7 @@ ALL_NAMES = [
     *(f"ours_fastest{slab}_{accum}" for slab in ("256MiB", "1GiB", "4GiB") for accum in ("bf16", "fp32")),
     "ours_fastest256MiB_peak3276MiB_fp32",
     "ours_within_liger_c16_peak_bf16",
+    "ours_within_liger_c16_peak_rows_bf16",
     "ours_scaled_exp_bf16",
     "ours_scaled_exp_fp32",
     "ours_scaled_exp_rows_bf16",

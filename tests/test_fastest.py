@@ -100,6 +100,9 @@ def test_yaml_round_trip_and_rule_provenance():
         ({"max_slab": 0}, "max_slab"),
         ({"max_peak": "-1GiB"}, "max_peak"),
         ({"rates": {"flops": 1.0}}, "rates"),
+        ({"slab_form": "exp"}, "slab_form"),
+        ({"chunk_multiple": 0}, "chunk_multiple"),
+        ({"chunk_multiple": True}, "chunk_multiple"),
     ],
 )
 def test_bad_parameters_name_the_parameter(kwargs, param):
@@ -193,3 +196,33 @@ def test_rates_so_small_that_every_prediction_overflows_are_refused():
     with pytest.raises(StrategyError, match="overflows") as err:
         strategy.geometry(Problem(1024, 1024, 32768), H200)
     assert err.value.param == "rates"
+
+
+@pytest.mark.parametrize("shape", [(16384, 1024, 131072), (16384, 2048, 128256), (8192, 5376, 262144)])
+def test_within_a_peak_on_the_row_scaled_slab(shape):
+    """The row-scaled slab within Liger C=16's predicted peak: its partials and scaled x_c count, so the largest
+    multiple of 128 rows that fits is below Liger's chunk, and 128 rows more would not fit (by hand, the memory
+    model); without chunk_multiple the largest power of two that fits."""
+    from flce_policy.plan.memory import predict_peak
+    from flce_policy.strategies import HeuristicC
+
+    problem = Problem(*shape)
+    limit = predict_peak(HeuristicC(16).geometry(problem, H200)).total_bytes
+    fitted = Fastest(max_slab="64GiB", max_peak=HeuristicC(16), slab_form="scaled_exp_rows", chunk_multiple=128)
+    geometry = fitted.geometry(problem, H200)
+    assert geometry.slab_form == "scaled_exp_rows" and geometry.chunk_size % 128 == 0
+    assert predict_peak(geometry).total_bytes <= limit
+    one_more = Geometry.for_problem(problem, geometry.chunk_size + 128, slab_form="scaled_exp_rows")
+    assert predict_peak(one_more).total_bytes > limit
+    powers = Fastest(max_slab="64GiB", max_peak=HeuristicC(16), slab_form="scaled_exp_rows").geometry(problem, H200)
+    assert powers.chunk_size & (powers.chunk_size - 1) == 0 and powers.chunk_size < geometry.chunk_size
+
+
+def test_slab_form_only_where_it_runs():
+    problem = Problem(16384, 1024, 131072)
+    strategy = Fastest(max_slab="1GiB", slab_form="scaled_exp_rows")
+    assert strategy.geometry(problem, DeviceInfo.synthetic("A100")).slab_form == "logits"  # no TMA before Hopper
+    assert strategy.geometry(Problem(16384, 1024, 131072, "float32"), H200).slab_form == "logits"
+    assert strategy.geometry(problem, H200).slab_form == "scaled_exp_rows"
+    config = strategy_from_config({**strategy.to_config(), "chunk_multiple": 128}).to_config()
+    assert config["slab_form"] == "scaled_exp_rows" and config["chunk_multiple"] == 128

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .device import TMA_COMPUTE_CAPABILITY, DeviceInfo
 from .problem import Problem
 from .units import cdiv
 
@@ -22,6 +23,7 @@ __all__ = [
     "SLAB_FORMS",
     "call_routing",
     "is_scaled_exp",
+    "runnable_slab_form",
     "scaled_exp_scratch_bytes",
     "scaled_exp_slots",
     "scaled_exp_unsupported",
@@ -54,6 +56,15 @@ def scaled_exp_unsupported(problem: Problem, vocab_chunk: int) -> str | None:
     if problem.hidden % 8 or problem.vocab % 8:
         return f"H={problem.hidden}, V={problem.vocab} (TMA loads rows of a multiple of 16 bytes: 8 elements)"
     return None
+
+
+def runnable_slab_form(slab_form: str, problem: Problem, vocab_chunk: int, device: DeviceInfo) -> str:
+    """``slab_form`` where ``device`` (TMA: Hopper or later; a device of unknown capability is taken as able) and
+    a geometry of ``problem`` in vocab tiles of ``vocab_chunk`` can run it, else ``"logits"``."""
+    if not is_scaled_exp(slab_form):
+        return slab_form
+    capable = device.compute_capability is None or device.compute_capability >= TMA_COMPUTE_CAPABILITY
+    return slab_form if capable and scaled_exp_unsupported(problem, vocab_chunk) is None else "logits"
 
 
 def call_routing(softcap: Any) -> str | None:
