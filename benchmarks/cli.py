@@ -26,7 +26,7 @@ DEFAULT_LOGIT_STD = 4.0
 DEFAULT_REPEATS = 5
 DEFAULT_WARMUP = 2
 MIN_REPEATS = 5  # a median of fewer is too noisy to hold a 1.08x target to
-_GPU_ONLY = ("shapes", "methods", "logit_std", "repeats", "warmup", "inputs")
+_GPU_ONLY = ("shapes", "methods", "logit_std", "repeats", "warmup", "inputs", "busy_start")
 
 
 class UsageError(Exception):
@@ -92,6 +92,13 @@ def build_parser(prog: str) -> Parser:
     )
     # No defaults here: --from-json refuses these when given, and the metadata fills them in.
     add_measurement_options(parser, with_defaults=False)
+    parser.add_argument(
+        "--busy-start",
+        action="store_true",
+        default=None,
+        help="start each timed call behind a sleep kernel, as the loss runs inside a training step (default: on an "
+        "idle GPU, which adds the host's time before the first kernel and a clock ramp to every row)",
+    )
     parser.add_argument("--out", metavar="DIR", help="output folder (default results/<date>-<gpu>)")
     parser.add_argument("--json", action="store_true", help="print the JSON document on stdout instead of the table")
     parser.add_argument(
@@ -228,6 +235,7 @@ def _measure(args: argparse.Namespace) -> int:
             logit_std=metadata["logit_std"],
             warmup=metadata["warmup"],
             repeats=metadata["repeats"],
+            busy_start=metadata["busy_start"],
             predict_peak=lambda method, shape: predicted_peak(method, shape, device),
             predict_time=lambda method, shape: predicted_time(method, shape, device),
             vocab_chunk=lambda method, shape: planned_vocab_chunk(method, shape, device),
@@ -333,6 +341,8 @@ def _show(records: Any, metadata: dict[str, Any], *, as_json: bool) -> None:
     title = " | ".join(str(metadata[k]) for k in ("gpu", "date") if metadata.get(k))
     if metadata.get("logit_std") is not None:
         title += f" | logit std {metadata['logit_std']}"
+    if metadata.get("busy_start"):
+        title += " | busy start"
     render_table(records, console, title=title)
     render_checks(checks, console)
 
@@ -360,6 +370,7 @@ def _metadata(device: Any, policy: Any, shapes: list, methods: list, args: argpa
         "logit_std": args.logit_std if args.logit_std is not None else DEFAULT_LOGIT_STD,
         "warmup": args.warmup if args.warmup is not None else DEFAULT_WARMUP,
         "repeats": args.repeats if args.repeats is not None else DEFAULT_REPEATS,
+        "busy_start": bool(args.busy_start),
         "shapes": [format_shape(s) for s in shapes],
         "methods": [m.name for m in methods],
         "complete": False,

@@ -21,11 +21,20 @@ class Measurement:
         return statistics.median(self.times_ms)
 
 
-def measure(step: Callable[[], None], *, warmup: int = 2, repeats: int = 5) -> Measurement:
+#: GPU clock cycles of the sleep kernel a busy-started step follows (~10 ms at the H200's 1.98 GHz): long enough
+#: for the host to issue a call's first kernels, and for the clocks to leave idle, before the start event.
+BUSY_START_CYCLES = 20_000_000
+
+
+def measure(step: Callable[[], None], *, warmup: int = 2, repeats: int = 5, busy_start: bool = False) -> Measurement:
     """Time ``step`` with CUDA events (median of ``repeats`` after ``warmup``), then its peak memory.
 
     ``step`` must leave nothing allocated behind it (it drops its outputs and gradients), so
-    every call starts from the same allocation.
+    every call starts from the same allocation. Each timed call starts on an idle GPU (the host's time before
+    its first kernel counts, and a ramp from idle clocks that every method pays: 2.4-2.8 ms at the small heads
+    on the H200, results/2026-12-02-h200-rows); with ``busy_start`` the GPU runs a sleep kernel while the host
+    issues and the start event follows it, as inside a training step, where the loss's kernels queue behind
+    the model's.
     """
     for _ in range(warmup):
         step()
@@ -33,6 +42,8 @@ def measure(step: Callable[[], None], *, warmup: int = 2, repeats: int = 5) -> M
     times = []
     for _ in range(repeats):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if busy_start:
+            torch.cuda._sleep(BUSY_START_CYCLES)
         start.record()
         step()
         stop.record()

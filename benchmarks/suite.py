@@ -150,6 +150,7 @@ def run_suite(
     on_start: Callable[[Shape, Method], None] | None = None,
     on_record: Callable[[Record], None] | None = None,
     inputs_for: Callable[[Shape], Inputs] | None = None,
+    busy_start: bool = False,
 ) -> list[Record]:
     """Measure every method at every shape; a method that cannot run gets a record saying why.
 
@@ -157,6 +158,7 @@ def run_suite(
     ``predict_time(method, shape)`` the cost model's fwd+bwd milliseconds; ``vocab_chunk(method,
     shape)`` the vocab tile of the geometry our rows run. ``inputs_for(shape)`` gives the inputs of
     a shape (e.g. a trained model's, whose shape is fixed); by default random ones at ``logit_std``.
+    ``busy_start``: each timed call after a sleep kernel (:func:`.measure.measure`).
     """
     records: list[Record] = []
     for shape in shapes:
@@ -177,7 +179,7 @@ def run_suite(
                 record.vocab_chunk = vocab_chunk(method, shape)
             try:
                 step = method.build(inputs)
-                result = measure(step, warmup=warmup, repeats=repeats)
+                result = measure(step, warmup=warmup, repeats=repeats, busy_start=busy_start)
                 record.median_ms, record.times_ms = result.median_ms, result.times_ms
                 record.peak_bytes = result.peak_bytes
             except Unavailable as why:
