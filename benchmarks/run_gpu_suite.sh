@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU half of the project, in one script, for the H200 the device tool lends:
-#   bash benchmarks/run_gpu_suite.sh [tests] [bench] [smallheads] [compile] [hf] [sharded] [trained] [convergence]
+#   bash benchmarks/run_gpu_suite.sh [tests] [bench] [smallheads] [smallheads-busy] [compile] [hf] [sharded] [trained] [convergence]
 #     [quick METHODS SHAPES...]
 # (smallheads: the small- and large-head shape sets against QuACK and Liger, and the accuracy table;
 # QuACK's wheels go to a directory of their own whose path holds /site-packages/, put on PYTHONPATH
-# with its nvidia_cutlass_dsl/dsl_packages — ../shared/INTEGRATION-NOTES.md says why)
+# with its nvidia_cutlass_dsl/dsl_packages — ../shared/INTEGRATION-NOTES.md says why; smallheads-busy: the same
+# shapes for the default, both picks at Liger C=16's peak, QuACK and Liger C=16 with bench --busy-start)
 # (compile: the torch.compile GPU tests and benchmarks/compile_bench.py alone; hf: the HF step
 # benchmark and the 50-step check; sharded: FSDP2 / ZeRO-3 on one GPU and the saturation scenario,
 # with DeepSpeed's wheels in .whl/ds/ — see docs/fsdp-zero3.md; trained: train the small Llama of
@@ -40,6 +41,12 @@ while [ $# -gt 0 ]; do
       python3 -m flce_policy.cli bench --shapes small-heads large-heads --out "$out/small_heads" --methods \
         ours_default_bf16 ours_scaled_exp_bf16 ours_within_liger_c16_peak_bf16 ours_within_liger_c16_peak_rows_bf16 quack liger_c16_bf16 liger_c1_bf16 2>&1 | tee "$out/small_heads.log" || status=1
       python3 -m flce_policy.benchmarks.accuracy --out "$out/accuracy.json" 2>&1 | tee "$out/accuracy.log" || status=1
+      shift ;;
+    smallheads-busy)
+      # the same rows with each timed call behind a sleep kernel (bench --busy-start), as inside a training step
+      python3 -m flce_policy.cli bench --busy-start --shapes small-heads large-heads --out "$out/small_heads_busy" --methods \
+        ours_default_bf16 ours_within_liger_c16_peak_bf16 ours_within_liger_c16_peak_rows_bf16 quack liger_c16_bf16 2>&1 \
+        | tee "$out/small_heads_busy.log" || status=1
       shift ;;
     compile)
       TRITON_INTERPRET=0 python3 -m pytest "$repo/tests/test_gpu_compile.py" -m gpu -s -q -p no:cacheprovider 2>&1 | tee "$out/gpu_compile_tests.log" || status=1
