@@ -467,3 +467,21 @@ def test_filter_keeps_the_tiles_fp64_keeps(form):
     tiles, row_tile, col_tile = _tiles_kept(keep, CHUNK, V)
     mask = tiles[row_tile][:, col_tile].to(grad.device)
     assert rel_l2(filtered[2]["w"], (grad * mask).T @ t["x"].double()) < GRAD_TOL
+
+
+def test_a_fitted_chunk_on_the_row_scaled_slab_against_fp64():
+    """``Fastest(slab_form=..., chunk_multiple=...)`` under a peak that no power of two fills: the loss runs its
+    pick (a row count that is neither a power of two nor a multiple of the GEMM's 128-row tile) as fp64 says."""
+    from flce_policy.plan.memory import predict_peak
+    from flce_policy.strategies import Fastest
+
+    problem = Problem(BT, H, V, "bfloat16")
+    limit = predict_peak(Geometry.for_problem(problem, 100, slab_form="scaled_exp_rows")).total_bytes
+    strategy = Fastest(max_slab="1GiB", max_peak=limit, slab_form="scaled_exp_rows", chunk_multiple=20)
+    picked = strategy.geometry(problem, DeviceInfo.synthetic("H200"))
+    assert (picked.chunk_size, picked.slab_form) == (100, "scaled_exp_rows")
+    t = inputs(seed=12)
+    got_loss, _, got = run(t, picked)
+    want_loss, want = reference(t)
+    assert torch.allclose(got_loss.double(), want_loss, rtol=LOSS_TOL)
+    assert rel_l2(got["x"], want["x"]) < GRAD_TOL and rel_l2(got["w"], want["w"]) < GRAD_TOL
