@@ -53,10 +53,10 @@ from flce_policy.benchmarks.methods import FIXED_FAMILIES
 from flce_policy.benchmarks.suite import Record, format_shape
 from flce_policy.engine.policy import DeviceRule, FLCEPolicy
 from flce_policy.plan.cost_model import DeviceRates, fit_rates, predict_seconds, rate_coefficients, rates_for
-from flce_policy.plan.device import TMA_COMPUTE_CAPABILITY, DeviceInfo
+from flce_policy.plan.device import DeviceInfo
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.problem import Problem
-from flce_policy.plan.scaled_exp import is_scaled_exp, scaled_exp_unsupported
+from flce_policy.plan.scaled_exp import is_scaled_exp, runnable_slab_form
 from flce_policy.plan.units import exact_size, format_bytes, parse_bytes
 from flce_policy.plan.weight_filter import checked_filter_eps
 from flce_policy.strategies import ChunkStrategy, Fastest, SlabBudget, StrategyError
@@ -134,8 +134,9 @@ def chunk_sizes_for(tokens: int) -> tuple[int, ...]:
 def slab_forms_for(shape: Shape, device: DeviceInfo, dtype: str = "bfloat16") -> tuple[str, ...]:
     """The slab forms to measure at ``shape``: the logits slab, and the scaled-exp slab where the GPU and the
     problem run it."""
-    capable = device.compute_capability is not None and device.compute_capability >= TMA_COMPUTE_CAPABILITY
-    if capable and scaled_exp_unsupported(Problem(*shape, dtype=dtype), shape[2]) is None:
+    # a GPU of unknown capability is not measured on it (runnable_slab_form takes one as able, for planning)
+    runs = runnable_slab_form("scaled_exp", Problem(*shape, dtype=dtype), shape[2], device) != "logits"
+    if device.compute_capability is not None and runs:
         return ("logits", *_SCALED_FORMS)
     return ("logits",)
 
