@@ -51,8 +51,14 @@ __all__ = ["scaled_exp_logits"]
 _LAUNCH = (128, SCALED_EXP_TILE, 64, 16, 8, 3)
 #: The row-scaled form's limit on ``max(z) - z_y`` (nats): ``exp`` of it times V times a weight stays far inside
 #: bf16 and fp32 in the GEMMs that read the slab; a row past it (a loss of > 64 nats on a token) makes the chunk
-#: run per tile. The exponents are clamped at it meanwhile.
+#: run per tile, which rewrites its slab and partials (what the row-scaled pass left there, up to ``inf``, is
+#: never read).
 SHIFT_LIMIT = tl.constexpr(64.0)
+#: ``exp(SHIFT_LIMIT)``: a tile's row sum of exponentials above it flags the chunk. A row with one exponential
+#: over it has such a sum, so none over the limit is missed; a row whose maximum lies up to ``log(BLOCK_N)``
+#: under the limit may be flagged too (redone per tile: the same result, later).
+_SHIFT_LIMIT_EXP = tl.constexpr(6.235149080811617e27)
+_LOG2E = tl.constexpr(1.4426950408889634)
 #: Rows and hidden columns per step of the target-logit kernel.
 _TARGET_ROWS, _TARGET_HIDDEN = 16, 128
 #: Programs of the persistent grid under the interpreter (the GPU runs one per SM).
@@ -146,8 +152,7 @@ def _scaled_exp_gemm_kernel(
             tl.store(partials_ptr + 4 * plane + slot, tl.max(as_logits, axis=1), mask=row_ok)
             tl.store(best_index_ptr + slot, col0 + tl.argmax(as_logits, axis=1), mask=row_ok)
         if ROW_SHIFT:
-            # exp(z - z_y) per row (+inf where ignored: zeros); a row whose logits lie more than SHIFT_LIMIT above
-            # its target's would overflow: the chunk is flagged to be redone per tile (clamped meanwhile)
+            # exp(z - z_y) per row (+inf where ignored: zeros); the overflow check is on the row sums below
             m = tl.load(shift_ptr + rows, mask=row_ok, other=float("inf"))
             if FLAG_MAXIMA:
                 # a grad_weight filter's inputs: each half's row maxima (the filter's columns are half a tile), in
@@ -157,26 +162,23 @@ def _scaled_exp_gemm_kernel(
                 upper_max = tl.max(tl.where(lower, -float("inf"), acc), axis=1)
                 tl.store(partials_ptr + 2 * plane + slot, lower_max, mask=row_ok)
                 tl.store(partials_ptr + 3 * plane + slot, upper_max, mask=row_ok)
-                row_max = tl.maximum(lower_max, upper_max)
-            else:
-                row_max = tl.max(acc, axis=1)
-            over = row_max - m > SHIFT_LIMIT
-            tl.store(redo_ptr, 1, mask=tl.max(over.to(tl.int32), axis=0) > 0)
-            e = tl.exp(tl.minimum(acc - m[:, None], SHIFT_LIMIT))
         else:
             m = tl.max(acc, axis=1)
-            e = tl.exp(acc - m[:, None])
+        # one FMA and one exp2 per element: the epilogue's share of the GEMM is what the small heads pay over
+        # cuBLAS (a row maximum and a clamp more cost 2-3% of the GEMM at H <= 1024, H200, 2026-12-02)
+        e = tl.exp2(acc * _LOG2E - (m * _LOG2E)[:, None])
         if ENTROPY:
             if EVEN_N:
                 tl.store(partials_ptr + 6 * plane + slot, tl.sum(e * acc, axis=1), mask=row_ok)
-            else:  # 0 * -inf past V
-                tl.store(
-                    partials_ptr + 6 * plane + slot,
-                    tl.sum(e * tl.where(col_ok[None, :], acc, 0.0), axis=1),
-                    mask=row_ok,
-                )
+            else:  # past V, e = 0 and z = -inf: a floor on z makes 0 * z a 0 without the column mask live (spills)
+                tl.store(partials_ptr + 6 * plane + slot, tl.sum(e * tl.maximum(acc, -3.0e38), axis=1), mask=row_ok)
+        tile_sum = tl.sum(e, axis=1)
+        if ROW_SHIFT:
+            # a row whose logits lie more than SHIFT_LIMIT above its target's: the chunk is redone per tile
+            over = tile_sum > _SHIFT_LIMIT_EXP
+            tl.store(redo_ptr, 1, mask=tl.max(over.to(tl.int32), axis=0) > 0)
         tl.store(partials_ptr + slot, m, mask=row_ok)
-        tl.store(partials_ptr + plane + slot, tl.sum(e, axis=1), mask=row_ok)
+        tl.store(partials_ptr + plane + slot, tile_sum, mask=row_ok)
         if IEEE:  # the interpreter truncates a cast to bf16: round to nearest first, as the GPU's cast does
             e = rounded(e, out_desc.dtype)
         out_desc.store([row0, col0], e.to(out_desc.dtype))

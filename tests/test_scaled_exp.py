@@ -284,6 +284,8 @@ def test_bias_gradient_alone():
     assert rel_l2(grad_b, want["b"]) < GRAD_TOL
 
 
+# the row-scaled pass leaves inf in those rows for the redo to replace; numpy under the interpreter says so
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 def test_rows_far_above_their_target_redo_the_chunk_per_tile(monkeypatch):
     """The row-scaled form holds exp(z - z_y): rows whose logits lie more than 64 nats above their target's would
     overflow. Their chunk is redone per tile on the device (no host read), and the result is still fp64's."""
