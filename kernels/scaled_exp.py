@@ -166,7 +166,9 @@ def _scaled_exp_gemm_kernel(
             m = tl.max(acc, axis=1)
         # one FMA and one exp2 per element: the epilogue's share of the GEMM is what the small heads pay over
         # cuBLAS (a row maximum and a clamp more cost 2-3% of the GEMM at H <= 1024, H200, 2026-12-02)
-        e = tl.exp2(acc * _LOG2E - (m * _LOG2E)[:, None])
+        # (an explicit fma: a compiler's choice to contract or not could differ between two variants of the kernel,
+        # and the filter's variant must give the dense one's slab bit for bit)
+        e = tl.exp2(tl.fma(acc, _LOG2E, -(m * _LOG2E)[:, None]))
         if ENTROPY:
             if EVEN_N:
                 tl.store(partials_ptr + 6 * plane + slot, tl.sum(e * acc, axis=1), mask=row_ok)
