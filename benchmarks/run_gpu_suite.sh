@@ -3,8 +3,8 @@
 #   bash benchmarks/run_gpu_suite.sh [tests] [bench] [smallheads] [smallheads-busy] [compile] [hf] [sharded] [trained] [convergence]
 #     [quick METHODS SHAPES...]
 # (smallheads: the small- and large-head shape sets against QuACK and Liger, and the accuracy table;
-# QuACK's wheels go to a directory of their own whose path holds /site-packages/, put on PYTHONPATH
-# with its nvidia_cutlass_dsl/dsl_packages — ../shared/INTEGRATION-NOTES.md says why; smallheads-busy: the same
+# QuACK is installed by benchmarks/install_quack.sh from $QUACK_WHEELS (default .whl/quack/; its largest wheel
+# may come as split parts) when it is not importable, without them its rows say it is not installed; smallheads-busy: the same
 # shapes for the default, both picks at Liger C=16's peak, QuACK and Liger C=16 with bench --busy-start)
 # (compile: the torch.compile GPU tests and benchmarks/compile_bench.py alone; hf: the HF step
 # benchmark and the 50-step check; sharded: FSDP2 / ZeRO-3 on one GPU and the saturation scenario,
@@ -25,6 +25,14 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 cd /tmp || exit 1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"
 status=0
+quack_path() {  # QuACK on PYTHONPATH for the stages that bench it, installed once per machine
+  python3 -c "import quack" 2>/dev/null && return 0
+  local wheels=${QUACK_WHEELS:-$repo/.whl/quack}
+  [ -d "$wheels" ] || { echo "QuACK: no wheels in $wheels, its rows will say it is not installed"; return 0; }
+  local entries
+  entries=$(bash "$repo/benchmarks/install_quack.sh" "$wheels") || { echo "QuACK: install failed"; return 0; }
+  export PYTHONPATH=$PYTHONPATH:$entries
+}
 while [ $# -gt 0 ]; do
   case "$1" in
     tests)
@@ -38,12 +46,14 @@ while [ $# -gt 0 ]; do
       python3 -m flce_policy.cli bench --out "$out" || status=1
       shift ;;
     smallheads)
+      quack_path
       python3 -m flce_policy.cli bench --shapes small-heads large-heads --out "$out/small_heads" --methods \
         ours_default_bf16 ours_scaled_exp_bf16 ours_within_liger_c16_peak_bf16 ours_within_liger_c16_peak_rows_bf16 quack liger_c16_bf16 liger_c1_bf16 2>&1 | tee "$out/small_heads.log" || status=1
       python3 -m flce_policy.benchmarks.accuracy --out "$out/accuracy.json" 2>&1 | tee "$out/accuracy.log" || status=1
       shift ;;
     smallheads-busy)
       # the same rows with each timed call behind a sleep kernel (bench --busy-start), as inside a training step
+      quack_path
       python3 -m flce_policy.cli bench --busy-start --shapes small-heads large-heads --out "$out/small_heads_busy" --methods \
         ours_default_bf16 ours_within_liger_c16_peak_bf16 ours_within_liger_c16_peak_rows_bf16 quack liger_c16_bf16 2>&1 \
         | tee "$out/small_heads_busy.log" || status=1
