@@ -26,7 +26,7 @@ DEFAULT_LOGIT_STD = 4.0
 DEFAULT_REPEATS = 5
 DEFAULT_WARMUP = 2
 MIN_REPEATS = 5  # a median of fewer is too noisy to hold a 1.08x target to
-_GPU_ONLY = ("shapes", "methods", "logit_std", "repeats", "warmup", "inputs", "busy_start")
+_GPU_ONLY = ("shapes", "methods", "logit_std", "repeats", "warmup", "inputs", "busy_start", "interleave")
 
 
 class UsageError(Exception):
@@ -98,6 +98,13 @@ def build_parser(prog: str) -> Parser:
         default=None,
         help="start each timed call behind a sleep kernel, as the loss runs inside a training step (default: on an "
         "idle GPU, which adds the host's time before the first kernel and a clock ramp to every row)",
+    )
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        default=None,
+        help="time a shape's rows in rounds, one call of each per round (default: each row's calls back to back), "
+        "so a drift of the GPU's clocks over the shape reaches every row alike; holds all of a shape's rows at once",
     )
     parser.add_argument("--out", metavar="DIR", help="output folder (default results/<date>-<gpu>)")
     parser.add_argument("--json", action="store_true", help="print the JSON document on stdout instead of the table")
@@ -236,6 +243,7 @@ def _measure(args: argparse.Namespace) -> int:
             warmup=metadata["warmup"],
             repeats=metadata["repeats"],
             busy_start=metadata["busy_start"],
+            interleave=metadata["interleave"],
             predict_peak=lambda method, shape: predicted_peak(method, shape, device),
             predict_time=lambda method, shape: predicted_time(method, shape, device),
             vocab_chunk=lambda method, shape: planned_vocab_chunk(method, shape, device),
@@ -343,6 +351,8 @@ def _show(records: Any, metadata: dict[str, Any], *, as_json: bool) -> None:
         title += f" | logit std {metadata['logit_std']}"
     if metadata.get("busy_start"):
         title += " | busy start"
+    if metadata.get("interleave"):
+        title += " | interleaved"
     render_table(records, console, title=title)
     render_checks(checks, console)
 
@@ -371,6 +381,7 @@ def _metadata(device: Any, policy: Any, shapes: list, methods: list, args: argpa
         "warmup": args.warmup if args.warmup is not None else DEFAULT_WARMUP,
         "repeats": args.repeats if args.repeats is not None else DEFAULT_REPEATS,
         "busy_start": bool(args.busy_start),
+        "interleave": bool(args.interleave),
         "shapes": [format_shape(s) for s in shapes],
         "methods": [m.name for m in methods],
         "complete": False,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Measurement", "measure"]
+__all__ = ["Measurement", "measure", "peak_bytes", "time_call", "warm_up"]
 
 
 @dataclass(frozen=True)
@@ -36,23 +36,35 @@ def measure(step: Callable[[], None], *, warmup: int = 2, repeats: int = 5, busy
     issues and the start event follows it, as inside a training step, where the loss's kernels queue behind
     the model's.
     """
-    for _ in range(warmup):
+    warm_up(step, warmup)
+    times = tuple(time_call(step, busy_start=busy_start) for _ in range(repeats))
+    return Measurement(times, peak_bytes(step))
+
+
+def warm_up(step: Callable[[], None], calls: int) -> None:
+    """``calls`` untimed calls (compilation, autotuning, the allocator's first blocks), then a synchronize."""
+    for _ in range(calls):
         step()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if busy_start:
-            torch.cuda._sleep(BUSY_START_CYCLES)
-        start.record()
-        step()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
+
+
+def time_call(step: Callable[[], None], *, busy_start: bool = False) -> float:
+    """Milliseconds of one call of ``step`` between CUDA events, from an idle GPU (or behind a sleep kernel)."""
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if busy_start:
+        torch.cuda._sleep(BUSY_START_CYCLES)
+    start.record()
+    step()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop)
+
+
+def peak_bytes(step: Callable[[], None]) -> int:
+    """Bytes one call of ``step`` allocates at its peak over what was allocated before it."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     step()
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
-    return Measurement(tuple(times), peak)
+    return torch.cuda.max_memory_allocated() - before

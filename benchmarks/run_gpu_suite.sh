@@ -47,14 +47,15 @@ while [ $# -gt 0 ]; do
       shift ;;
     smallheads)
       quack_path
-      python3 -m flce_policy.cli bench --shapes small-heads large-heads --out "$out/small_heads" --methods \
+      # rows interleaved per shape (one call of each per round): a drift over a shape reaches every row alike
+      python3 -m flce_policy.cli bench --interleave --repeats 7 --shapes small-heads large-heads --out "$out/small_heads" --methods \
         ours_default_bf16 ours_scaled_exp_bf16 ours_within_liger_c16_peak_bf16 ours_within_liger_c16_peak_rows_bf16 quack liger_c16_bf16 liger_c1_bf16 2>&1 | tee "$out/small_heads.log" || status=1
       python3 -m flce_policy.benchmarks.accuracy --out "$out/accuracy.json" 2>&1 | tee "$out/accuracy.log" || status=1
       shift ;;
     smallheads-busy)
       # the same rows with each timed call behind a sleep kernel (bench --busy-start), as inside a training step
       quack_path
-      python3 -m flce_policy.cli bench --busy-start --shapes small-heads large-heads --out "$out/small_heads_busy" --methods \
+      python3 -m flce_policy.cli bench --busy-start --interleave --repeats 7 --shapes small-heads large-heads --out "$out/small_heads_busy" --methods \
         ours_default_bf16 ours_within_liger_c16_peak_bf16 ours_within_liger_c16_peak_rows_bf16 quack liger_c16_bf16 2>&1 \
         | tee "$out/small_heads_busy.log" || status=1
       shift ;;

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .measure import measure
+from .measure import Measurement, measure, peak_bytes, time_call, warm_up
 from .methods import Inputs, Method, Unavailable, make_inputs
 
 __all__ = [
@@ -151,6 +151,7 @@ def run_suite(
     on_record: Callable[[Record], None] | None = None,
     inputs_for: Callable[[Shape], Inputs] | None = None,
     busy_start: bool = False,
+    interleave: bool = False,
 ) -> list[Record]:
     """Measure every method at every shape; a method that cannot run gets a record saying why.
 
@@ -158,45 +159,103 @@ def run_suite(
     ``predict_time(method, shape)`` the cost model's fwd+bwd milliseconds; ``vocab_chunk(method,
     shape)`` the vocab tile of the geometry our rows run. ``inputs_for(shape)`` gives the inputs of
     a shape (e.g. a trained model's, whose shape is fixed); by default random ones at ``logit_std``.
-    ``busy_start``: each timed call after a sleep kernel (:func:`.measure.measure`).
+    ``busy_start``: each timed call after a sleep kernel (:func:`.measure.measure`). ``interleave``: a shape's
+    methods are built and warmed together, then timed in rounds, one call of each per round, so a drift of the
+    GPU's clocks or temperature over the shape's rows reaches every row alike (their steps are held at once:
+    the floor's two ``[BT, V]`` buffers beside the others); peaks are taken after the rounds, one row at a time.
     """
     records: list[Record] = []
     for shape in shapes:
         inputs = make_inputs(*shape, logit_std=logit_std) if inputs_for is None else inputs_for(shape)
+        attempts = []
         for method in methods:
             if on_start is not None:
                 on_start(shape, method)
             record = Record(shape=shape, method=method.name, family=method.family, accum=method.accum)
-            record.chunk_size = method.chunk_size
-            record.options = dict(method.options)
-            if predict_peak is not None:
-                chunk, predicted = predict_peak(method, shape)
-                record.chunk_size = chunk if chunk is not None else record.chunk_size
-                record.predicted_peak_bytes = predicted
-            if predict_time is not None:
-                record.predicted_ms = predict_time(method, shape)
-            if vocab_chunk is not None:
-                record.vocab_chunk = vocab_chunk(method, shape)
-            try:
-                step = method.build(inputs)
-                result = measure(step, warmup=warmup, repeats=repeats, busy_start=busy_start)
-                record.median_ms, record.times_ms = result.median_ms, result.times_ms
-                record.peak_bytes = result.peak_bytes
-            except Unavailable as why:
-                record.status = str(why)
-            except torch.cuda.OutOfMemoryError:
-                record.status = "out of memory"
-            except Exception as err:  # one broken peer must not cost the rest of a long run
-                first_line = (str(err).strip().splitlines() or [""])[0][:200]
-                record.status = f"error: {type(err).__name__}: {first_line}"
-            finally:
-                step = None
-                gc.collect()
-                torch.cuda.empty_cache()
+            _plan(record, method, shape, predict_peak, predict_time, vocab_chunk)
+            attempt = _Attempt(record, method, inputs)
+            if interleave:
+                attempt.run(lambda a: warm_up(a.ready(), warmup))
+                attempts.append(attempt)
+                continue
+            attempt.run(lambda a: a.measured(measure(a.ready(), warmup=warmup, repeats=repeats, busy_start=busy_start)))
+            attempt.close()
             records.append(record)
             if on_record is not None:
                 on_record(record)
-        del inputs
+        for _ in range(repeats):  # interleaved rows only: the others are done
+            for attempt in attempts:
+                attempt.run(lambda a: a.timed(time_call(a.step, busy_start=busy_start)))
+        for attempt in attempts:
+            attempt.run(lambda a: a.measured(Measurement(a.record.times_ms, peak_bytes(a.step))))
+            attempt.close()
+            records.append(attempt.record)
+            if on_record is not None:
+                on_record(attempt.record)
+        del inputs, attempts
         gc.collect()
         torch.cuda.empty_cache()
     return with_floor_ratios(records)
+
+
+def _plan(
+    record: Record,
+    method: Method,
+    shape: Shape,
+    predict_peak: Callable[[Method, Shape], tuple[int | None, int | None]] | None,
+    predict_time: Callable[[Method, Shape], float | None] | None,
+    vocab_chunk: Callable[[Method, Shape], int | None] | None,
+) -> None:
+    """The record's geometry and the models' predictions, before anything runs."""
+    record.chunk_size = method.chunk_size
+    record.options = dict(method.options)
+    if predict_peak is not None:
+        chunk, predicted = predict_peak(method, shape)
+        record.chunk_size = chunk if chunk is not None else record.chunk_size
+        record.predicted_peak_bytes = predicted
+    if predict_time is not None:
+        record.predicted_ms = predict_time(method, shape)
+    if vocab_chunk is not None:
+        record.vocab_chunk = vocab_chunk(method, shape)
+
+
+class _Attempt:
+    """One row's step while it is measured; the first failure goes into its record's status and ends it."""
+
+    def __init__(self, record: Record, method: Method, inputs: Inputs) -> None:
+        self.record, self.method, self.inputs = record, method, inputs
+        self.step: Callable[[], None] | None = None
+
+    def ready(self) -> Callable[[], None]:
+        if self.step is None:
+            self.step = self.method.build(self.inputs)
+        return self.step
+
+    def timed(self, ms: float) -> None:
+        self.record.times_ms = (*self.record.times_ms, ms)
+
+    def measured(self, result: Measurement) -> None:
+        self.record.median_ms, self.record.times_ms = result.median_ms, result.times_ms
+        self.record.peak_bytes = result.peak_bytes
+
+    def run(self, action: Callable[[_Attempt], None]) -> None:
+        if self.record.status != "ok":
+            return
+        try:
+            action(self)
+        except Unavailable as why:
+            self.record.status = str(why)
+        except torch.cuda.OutOfMemoryError:
+            self.record.status = "out of memory"
+        except Exception as err:  # one broken peer must not cost the rest of a long run
+            first_line = (str(err).strip().splitlines() or [""])[0][:200]
+            self.record.status = f"error: {type(err).__name__}: {first_line}"
+        if self.record.status != "ok":
+            self.close()
+
+    def close(self) -> None:
+        """Drop the step (its buffers) and give the memory back before the next row allocates."""
+        self.step = None
+        self.inputs = None
+        gc.collect()
+        torch.cuda.empty_cache()

@@ -388,6 +388,7 @@ def test_from_json_to_another_folder_as_json(tmp_path, capsys):
     [
         (["--from-json", "{json}", "--shapes", "1x2x3"], "--shapes only apply to a new run"),
         (["--from-json", "{json}", "--busy-start"], "--busy-start only apply to a new run"),
+        (["--from-json", "{json}", "--interleave"], "--interleave only apply to a new run"),
         (["--from-json", "{tmp}/missing.json"], "missing.json: no such file"),
         (["--shapes", "8192x5376"], "three positive integers"),
         (["--repeats", "3"], "expected an integer >= 5, got 3"),
@@ -568,11 +569,11 @@ def test_gpu_run_glue_with_a_stubbed_suite(tmp_path, capsys, monkeypatch):
     seen = {}
 
     def fake_run_suite(
-        shapes, methods, *, logit_std, warmup, repeats, busy_start, predict_peak, predict_time, vocab_chunk, on_start,
-        on_record,
+        shapes, methods, *, logit_std, warmup, repeats, busy_start, interleave, predict_peak, predict_time, vocab_chunk,
+        on_start, on_record,
     ):  # fmt: skip
         seen.update(shapes=list(shapes), methods=[m.name for m in methods], std=logit_std, warmup=warmup, rep=repeats)
-        seen.update(busy_start=busy_start)
+        seen.update(busy_start=busy_start, interleave=interleave)
         records = []
         for shape in shapes:
             for i, method in enumerate(methods):
@@ -593,7 +594,8 @@ def test_gpu_run_glue_with_a_stubbed_suite(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(suite, "run_suite", fake_run_suite)
     out = tmp_path / "out"
     argv = ["bench", "--shapes", "8192x5376x262144", "--methods", "ours_default_*", "liger_c1_bf16"]
-    code = main([*argv, "--logit-std", "0.5", "--repeats", "7", "--warmup", "1", "--busy-start", "--out", str(out)])
+    options = ["--logit-std", "0.5", "--repeats", "7", "--warmup", "1", "--busy-start", "--interleave"]
+    code = main([*argv, *options, "--out", str(out)])
     stdout, err = capsys.readouterr()
     assert code == 0, err
 
@@ -604,11 +606,13 @@ def test_gpu_run_glue_with_a_stubbed_suite(tmp_path, capsys, monkeypatch):
         "warmup": 1,
         "rep": 7,
         "busy_start": True,
+        "interleave": True,
     }
     document = json.loads((out / "bench.json").read_text())
     meta = document["metadata"]
     assert (meta["gpu"], meta["logit_std"], meta["repeats"], meta["warmup"]) == ("NVIDIA H200", 0.5, 7, 1)
     assert meta["busy_start"] is True and "| busy start" in stdout
+    assert meta["interleave"] is True and "| interleaved" in stdout
     assert meta["shapes"] == ["8192x5376x262144"] and meta["complete"] is True
     chunks = {r["method"]: r["chunk_size"] for r in document["records"]}
     # cost model by hand for 2 chunks of 4096 at H200 rates (7.03e14 FLOP/s, 4.57e12 B/s, CE at 80%) on the
