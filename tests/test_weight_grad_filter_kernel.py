@@ -53,8 +53,10 @@ def expand(mask: torch.Tensor, cols: int) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     ("hidden", "cols", "tma"),
-    [(64, 512, True), (60, 512, False), (64, 500, False)],  # 60 x 2 bytes, 500 x 2 bytes: rows not 16-byte aligned
-    ids=["tma", "pointer-x", "pointer-grad"],
+    # 60 x 2 bytes, 500 x 2 bytes: rows not 16-byte aligned; 256 and 192 hidden: the TMA launch's wide blocks and
+    # its narrow ones for a hidden size that is not a multiple of 256 (two blocks of 128, the second half masked)
+    [(64, 512, True), (256, 384, True), (192, 384, True), (60, 512, False), (64, 500, False)],
+    ids=["tma", "tma-wide", "tma-narrow", "pointer-x", "pointer-grad"],
 )
 @pytest.mark.parametrize("with_weight", [True, False], ids=["weight+bias", "bias"])
 def test_two_chunks_against_fp64(hidden, cols, tma, with_weight):
