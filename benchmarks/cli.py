@@ -19,7 +19,9 @@ from typing import Any
 
 from .trained_config import RANDOM_INPUTS, TRAINED_INPUTS
 
-__all__ = ["main", "build_parser", "Parser", "UsageError", "shape_arg", "positive_float", "int_at_least"]
+__all__ = [
+    "main", "build_parser", "Parser", "UsageError", "shape_arg", "positive_float", "int_at_least", "filter_eps_arg",
+]  # fmt: skip
 
 JSON_NAME, CSV_NAME, PNG_NAME = "bench.json", "bench.csv", "bench.png"
 DEFAULT_LOGIT_STD = 4.0
@@ -155,6 +157,23 @@ def positive_float(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return value
+
+
+def filter_eps_arg(option: str, *, positive: bool = False):
+    """An argparse type for a grad_weight_filter eps given as ``option`` (a number or ``2**-k``; 0 only when not
+    ``positive``), the library's own check (:func:`flce_policy.plan.weight_filter.checked_filter_eps`)."""
+    from flce_policy.plan.weight_filter import checked_filter_eps
+
+    def parse(text: str) -> float:
+        try:
+            eps = checked_filter_eps(text, option, text=True)
+        except (TypeError, ValueError) as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        if positive and eps == 0:
+            raise argparse.ArgumentTypeError(f"{option} must be above 0 (0 skips nothing), got {text!r}")
+        return eps
+
+    return parse
 
 
 def int_at_least(low: int):

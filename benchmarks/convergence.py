@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .cli import filter_eps_arg
 from .trained_config import TrainedConfig
 from .trained_inputs import default_device, log_stderr, prepare_streams
 
@@ -116,20 +117,26 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m flce_policy.benchmarks.convergence", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--out", required=True, metavar="DIR")
     parser.add_argument("--steps", type=int, default=None, help=f"steps per run (default {TrainedConfig().steps})")
     parser.add_argument(
-        "--filter", type=float, default=2.0**-12, metavar="EPS", help="the filter's eps (default 2^-12)"
-    )
+        "--filter", type=filter_eps_arg("--filter", positive=True), default=2.0**-12, metavar="EPS",
+        help="the filter's eps, a number or a power of two such as 2**-16 (default 2**-12)",
+    )  # fmt: skip
     parser.add_argument(
         "--runs-per-arm", type=int, default=RUNS_PER_ARM, metavar="R",
         help=f"trainings with the filter and as many without, alternating (default {RUNS_PER_ARM}, at least 2)",
     )  # fmt: skip
     parser.add_argument("--max-train-seconds", type=float, default=None, help="stop a run that takes longer")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.runs_per_arm < 2:
         parser.error(f"--runs-per-arm must be at least 2, got {args.runs_per_arm}")

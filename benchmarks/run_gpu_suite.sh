@@ -12,7 +12,7 @@
 # benchmarks/trained_inputs.py, report its logits, then bench issue 26's methods on its held-out inputs, all in
 # $OUT/trained — one call, since the cache it builds lives on the machine only, and the same rows on
 # random logits; convergence: the model trained with grad_weight_filter off and on, alternating, CONVERGENCE_RUNS_PER_ARM (2) each,
-# CONVERGENCE_STEPS steps each)
+# CONVERGENCE_STEPS steps each, at CONVERGENCE_FILTER (default 2**-12))
 # Expects wheels in .whl/ (ours, built with `python -m build --wheel -o .whl`, plus the peers
 # liger-kernel and cut-cross-entropy); installs them into /tmp/site and runs from outside the
 # checkout so the installed package (with its package-dir mapping) is what gets imported.
@@ -90,8 +90,8 @@ while [ $# -gt 0 ]; do
       done
       shift ;;
     convergence)
-      # trainings of the trained-inputs model from one seed, filter off and on (2^-12) alternating, 2 of each by default
-      python3 -m flce_policy.benchmarks.convergence --out "$out/convergence" ${CONVERGENCE_STEPS:+--steps "$CONVERGENCE_STEPS"} ${CONVERGENCE_RUNS_PER_ARM:+--runs-per-arm "$CONVERGENCE_RUNS_PER_ARM"} \
+      # trainings of the trained-inputs model from one seed, filter off and on ($CONVERGENCE_FILTER, 2**-12 by default) alternating, 2 of each by default
+      python3 -m flce_policy.benchmarks.convergence --out "$out/convergence" ${CONVERGENCE_STEPS:+--steps "$CONVERGENCE_STEPS"} ${CONVERGENCE_RUNS_PER_ARM:+--runs-per-arm "$CONVERGENCE_RUNS_PER_ARM"} ${CONVERGENCE_FILTER:+--filter "$CONVERGENCE_FILTER"} \
         2>&1 | tee "$out/convergence.log" || status=1
       shift ;;
     quick)

@@ -9,7 +9,7 @@ pytest.importorskip("tokenizers")
 
 from test_trained_inputs import TINY, tiny_sources  # noqa: E402
 
-from flce_policy.benchmarks.convergence import compare_arms, run_all  # noqa: E402
+from flce_policy.benchmarks.convergence import build_parser, compare_arms, run_all  # noqa: E402
 from flce_policy.kernels.ce_kernel import KERNELS_INTERPRETED  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -59,3 +59,16 @@ def test_compare_arms_against_hand_computed_statistics():
 def test_one_run_per_arm_is_refused():
     with pytest.raises(ValueError, match="runs_per_arm must be >= 2"):
         run_all(TINY, 0.5, runs_per_arm=1, sources=tiny_sources, log=lambda _m: None)
+
+
+@pytest.mark.parametrize(("text", "eps"), [("2**-16", 2.0**-16), ("1.52587890625e-05", 2.0**-16), ("2^-12", 2.0**-12)])
+def test_the_filter_option_reads_a_number_or_a_power_of_two(text, eps):
+    assert build_parser().parse_args(["--out", "d", "--filter", text]).filter == eps
+
+
+@pytest.mark.parametrize("text", ["0", "2**0", "-1", "x"])
+def test_a_filter_that_filters_nothing_or_is_not_an_eps_is_refused(text, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["--out", "d", "--filter", text])
+    assert exit_info.value.code == 2
+    assert "--filter" in capsys.readouterr().err

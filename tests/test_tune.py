@@ -287,6 +287,7 @@ def test_an_unknown_family_is_matched_by_its_exact_name(tmp_path):
         (["--max-slab", "1GiB", "--out", "{tmp}"], "is a folder"),
         (["--max-slab", "1GiB", "--shapes", "8x8", "--out", "{tmp}/p.yaml"], "three positive integers"),
         (["--max-slab", "1GiB", "--grad-weight-filter", "-1", "--out", "{tmp}/p.yaml"], "--grad-weight-filter must"),
+        (["--max-slab", "1GiB", "--grad-weight-filter", "2**4", "--out", "{tmp}/p.yaml"], "--grad-weight-filter must"),
     ],
 )
 def test_user_errors_exit_2_on_one_line(tmp_path, capsys, argv, fragment):

@@ -42,6 +42,24 @@ def test_bad_eps_in_yaml_names_the_key(value):
         FLCEPolicy.from_yaml_text(text)
 
 
+@pytest.mark.parametrize(("text", "eps"), [("2**-12", 2.0**-12), ("2^-16", 2.0**-16), (" 2 ** -14 ", 2.0**-14)])
+def test_eps_written_as_a_power_of_two(text, eps):
+    yaml_text = f"version: 1\ndevices:\n  - match: cpu\n    strategy: heuristic_c\n    grad_weight_filter: {text}\n"
+    problem = Problem(tokens=BT, hidden=H, vocab=V, dtype="float32")
+    assert FLCEPolicy.from_yaml_text(yaml_text).resolve(problem, DeviceInfo.cpu()).grad_weight_filter == eps
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [("2**3", "in \\[0, 1\\)"), ("2**-5000", "below the smallest double"), ("2**-99999999999999999999", "below"),
+     ("3**-2", "must be a number")],
+)  # fmt: skip
+def test_a_power_of_two_out_of_range_is_refused_by_name(text, fragment):
+    yaml_text = f"version: 1\ndevices:\n  - match: cpu\n    strategy: heuristic_c\n    grad_weight_filter: {text}\n"
+    with pytest.raises(ConfigError, match=rf"devices\[0\]\.grad_weight_filter: .*{fragment}"):
+        FLCEPolicy.from_yaml_text(yaml_text)
+
+
 def _yaml(rule_eps: float | None, default_eps: float | None = None) -> str:
     rule = "" if rule_eps is None else f"    grad_weight_filter: {rule_eps!r}\n"
     default = "" if default_eps is None else f"  grad_weight_filter: {default_eps!r}\n"

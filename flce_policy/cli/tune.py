@@ -46,6 +46,7 @@ from flce_policy.benchmarks.cli import (
     Parser,
     UsageError,
     add_measurement_options,
+    filter_eps_arg,
     run_command,
     shape_arg,
 )
@@ -58,7 +59,6 @@ from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.problem import Problem
 from flce_policy.plan.scaled_exp import is_scaled_exp, runnable_slab_form
 from flce_policy.plan.units import exact_size, format_bytes, parse_bytes
-from flce_policy.plan.weight_filter import checked_filter_eps
 from flce_policy.strategies import ChunkStrategy, Fastest, SlabBudget, StrategyError
 from flce_policy.strategies.scaled_exp import on_slab_form
 
@@ -480,7 +480,7 @@ def build_parser(prog: str) -> Parser:
     )
     parser.add_argument(
         "--grad-weight-filter",
-        type=_filter_eps,
+        type=filter_eps_arg("--grad-weight-filter"),
         metavar="EPS",
         help="also write this grad_weight_filter eps into the tuned rule (e.g. 2.44140625e-4 = 2**-12); "
         "not measured: the times are the dense path's",
@@ -499,13 +499,6 @@ def build_parser(prog: str) -> Parser:
         help="print what was written and measured as JSON on stdout (the messages stay on stderr)",
     )
     return parser
-
-
-def _filter_eps(text: str) -> float | None:
-    try:
-        return checked_filter_eps(text, "--grad-weight-filter", text=True)
-    except (TypeError, ValueError) as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _size(text: str) -> int:
