@@ -41,6 +41,9 @@ while [ $# -gt 0 ]; do
       # the scaled-exp slab's option tests (the interpreter's shapes), compiled on CUDA: every option on the GPU
       TRITON_INTERPRET=0 python3 -m pytest "$repo/tests/test_scaled_exp.py" -q -p no:cacheprovider 2>&1 \
         | tee "$out/gpu_scaled_exp_options.log" || status=1
+      # the filtered grad_weight kernel's launches (TMA wide and narrow, pointer-based) against fp64, compiled
+      TRITON_INTERPRET=0 python3 -m pytest "$repo/tests/test_weight_grad_filter_kernel.py" -q -p no:cacheprovider 2>&1 \
+        | tee "$out/gpu_filter_kernel.log" || status=1
       shift ;;
     bench)
       python3 -m flce_policy.cli bench --out "$out" || status=1
