@@ -482,7 +482,7 @@ def build_parser(prog: str) -> Parser:
         "--grad-weight-filter",
         type=filter_eps_arg("--grad-weight-filter"),
         metavar="EPS",
-        help="also write this grad_weight_filter eps into the tuned rule (e.g. 2.44140625e-4 = 2**-12); "
+        help="also write this grad_weight_filter eps into the tuned rule (a number or a power of two: 2**-12); "
         "not measured: the times are the dense path's",
     )
     parser.add_argument("--out", required=True, metavar="FILE.yaml", help="the policy file to write")
