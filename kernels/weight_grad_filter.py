@@ -10,10 +10,14 @@ move it) or is the target.
 Three launches per chunk (and vocab tile):
 
 1. ``_tile_flags_kernel``: which of the chunk's row tiles (``FILTER_ROWS`` rows each, from the chunk's
-   first row) have flags that are not all 0 in each ``FILTER_COLS`` columns, a byte per tile.
-2. ``_list_tiles_kernel``, one program per ``FILTER_COLS`` columns: those tiles as a list and its length.
+   first row) have flags that are not all 0 in each ``FILTER_COLS`` columns, a byte per tile (1 kept, 0
+   skipped; with a rescue N, 2 where a tile to skip is kept anyway: the hash of
+   :data:`flce_policy.plan.weight_filter.RESCUE_HASH`).
+2. ``_list_tiles_kernel``, one program per ``FILTER_COLS`` columns: those tiles as a list (the rescued ones
+   first), its length and how many of them are rescued.
 3. One program per ``[FILTER_COLS, BLOCK_H]`` block of grad_weight, ``G[tile, cols].T @ x[tile, h]`` in
-   fp32 over the kept row tiles only (a skipped tile is neither loaded nor multiplied):
+   fp32 over the kept row tiles only (a skipped tile is neither loaded nor multiplied; the rescued tiles'
+   sum is multiplied by N before the kept ones are added: no cost per tile):
    ``_listed_tma_kernel`` loads the listed tiles through TMA descriptors, the next tile's row read one
    iteration ahead, so the loads pipeline whatever the list: 1.01x cuBLAS's time with every tile kept,
    0.31x with 18% kept (H200, results/notes/2026-12-01-h200-filter-probe-3.log). Where TMA cannot
@@ -39,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flce_policy.plan.weight_filter import DENSE_LOOP_MIN_KEPT, FILTER_COLS, FILTER_ROWS
+from flce_policy.plan.weight_filter import DENSE_LOOP_MIN_KEPT, FILTER_COLS, FILTER_ROWS, RESCUE_HASH
 
 from .interpreter import KERNELS_INTERPRETED
 from .tma import TensorDescriptor, tma_tensors
@@ -69,6 +73,14 @@ _TMA_LAUNCH = (256, 8, 4)
 #: half of its last block idle. At 4096x896x151936 on the H200, 1.20x cuBLAS's time with every tile kept against
 #: 1.26x, 0.33x against 0.36x with 20% kept (results/2026-12-02-h200-session13/filter-final.log).
 _TMA_LAUNCH_NARROW = (128, 4, 5)
+#: The rescue hash's constants as the flag kernel's arguments
+_HASH_ARGS = dict(
+    HASH_COLUMNS=RESCUE_HASH["columns"],
+    BLOCK_MUL=RESCUE_HASH["block_mul"],
+    MIXER=RESCUE_HASH["mixer"],
+    ROUNDS=RESCUE_HASH["rounds"],
+    MASK=RESCUE_HASH["mask"],
+)
 #: Column blocks per program of the kernel reading the flags (a row of 128 flags: 128 bytes, one line)
 _FLAG_BLOCKS = 128
 
@@ -118,14 +130,17 @@ class FilterScratch(NamedTuple):
     flags: torch.Tensor  # [rows, cdiv(tile_cols, FILTER_COLS)] uint8, written by the CE finish kernel
     tiles: torch.Tensor  # [cdiv(tile_cols, FILTER_COLS), cdiv(rows, FILTER_ROWS)] int32: kept row tiles, listed
     counts: torch.Tensor  # [cdiv(tile_cols, FILTER_COLS)] int32: how many are listed
-    kept: torch.Tensor  # [cdiv(tile_cols, FILTER_COLS), cdiv(rows, FILTER_ROWS)] uint8: 1 where a row tile is kept
+    kept: torch.Tensor  # [cdiv(tile_cols, FILTER_COLS), cdiv(rows, FILTER_ROWS)] uint8: 1 kept, 2 rescued, 0 skipped
+    rescued: torch.Tensor  # [cdiv(tile_cols, FILTER_COLS)] int32: how many of the listed are rescued (listed first)
 
 
 class TileCount(NamedTuple):
-    """One filtered launch's tiles: ``kept`` (a 0-dim int tensor on the device: no host sync) of ``total``."""
+    """One filtered launch's tiles (0-dim int tensors on the device: no host sync): ``kept`` multiplied (the
+    flagged and the rescued) of ``total``, ``rescued`` of them kept by the rescue."""
 
     kept: torch.Tensor
     total: int
+    rescued: torch.Tensor
 
 
 _observers: list[list[TileCount]] = []
@@ -151,6 +166,7 @@ def filter_scratch(rows: int, tile_cols: int, device: torch.device) -> FilterScr
         torch.empty((col_blocks, row_tiles), dtype=torch.int32, device=device),
         torch.empty(col_blocks, dtype=torch.int32, device=device),
         torch.empty((col_blocks, row_tiles), dtype=torch.uint8, device=device),
+        torch.empty(col_blocks, dtype=torch.int32, device=device),
     )
 
 
@@ -163,10 +179,13 @@ def filter_scratch_for(call: DriverCall, rows: int, tile_cols: int) -> FilterScr
 
 @triton.jit
 def _tile_flags_kernel(
-    flags_ptr, flag_stride, kept_ptr, tile_stride, n_rows, n_col_blocks, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr
-):
-    """kept[c, r] = 1 where row tile r has a flag set in column block c: one program per row tile and
-    BLOCK_C column blocks, reading the flags row by row (coalesced; a column of them is 1 byte in V/128)."""
+    flags_ptr, flag_stride, kept_ptr, tile_stride, x_ptr, x_stride, hidden, n_rows, n_col_blocks,
+    BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, RESCUE: tl.constexpr, HASH_COLUMNS: tl.constexpr,
+    BLOCK_MUL: tl.constexpr, MIXER: tl.constexpr, ROUNDS: tl.constexpr, MASK: tl.constexpr,
+):  # fmt: skip
+    """kept[c, r] = 1 where row tile r has a flag set in column block c (else 2 where RESCUE rescues it, else 0):
+    one program per row tile and BLOCK_C column blocks, reading the flags row by row (coalesced; a column of
+    them is 1 byte in V/128)."""
     row_tile = tl.program_id(0)
     blocks = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     rows = row_tile * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -176,20 +195,57 @@ def _tile_flags_kernel(
         mask=(rows < n_rows)[:, None] & block_mask[None, :],
         other=0,
     )
-    is_kept = tl.max(flags.to(tl.int32), axis=0) > 0
-    tl.store(kept_ptr + blocks * tile_stride + row_tile, is_kept.to(tl.uint8), mask=block_mask)
+    is_kept = (tl.max(flags.to(tl.int32), axis=0) > 0).to(tl.uint8)
+    if RESCUE:
+        rescued = _rescued(
+            x_ptr, x_stride, hidden, n_rows, rows, blocks, RESCUE, BLOCK_K, HASH_COLUMNS, BLOCK_MUL, MIXER, ROUNDS, MASK
+        )
+        is_kept = tl.where(is_kept == 0, 2 * rescued, is_kept).to(tl.uint8)
+    tl.store(kept_ptr + blocks * tile_stride + row_tile, is_kept, mask=block_mask)
 
 
 @triton.jit
-def _list_tiles_kernel(kept_ptr, tiles_ptr, tile_stride, counts_ptr, n_row_tiles, ROW_TILES: tl.constexpr):
-    """A column block's kept row tiles as an ascending list and its length (one program per column block)."""
+def _rescued(
+    x_ptr, x_stride, hidden, n_rows, rows, blocks, RESCUE: tl.constexpr, BLOCK_K: tl.constexpr,
+    HASH_COLUMNS: tl.constexpr, BLOCK_MUL: tl.constexpr, MIXER: tl.constexpr, ROUNDS: tl.constexpr, MASK: tl.constexpr,
+):  # fmt: skip
+    """1 (uint8) where the rescue's hash (flce_policy.plan.weight_filter.RESCUE_HASH) of the row tile's x and
+    the column block picks the tile, per block of ``blocks``."""
+    columns = tl.arange(0, HASH_COLUMNS)
+    x = tl.load(
+        x_ptr + rows.to(tl.int64)[:, None] * x_stride + columns[None, :],
+        mask=(rows < n_rows)[:, None] & (columns < hidden)[None, :],
+        other=0.0,
+    )
+    bits = x.to(tl.float32).to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    folded = (bits >> 16) ^ (bits & 0xFFFF)
+    local = tl.arange(0, BLOCK_K).to(tl.int64)
+    weights = 2 * (local[:, None] * HASH_COLUMNS + columns[None, :]) + 1
+    h = tl.sum(tl.sum(folded * weights, axis=1), axis=0) & MASK
+    z = (h ^ ((blocks.to(tl.int64) * BLOCK_MUL) & MASK)) & MASK
+    for _ in tl.static_range(ROUNDS):
+        z = ((z ^ (z >> 16)) * MIXER) & MASK
+    return (((z ^ (z >> 16)) & (RESCUE - 1)) == 0).to(tl.uint8)
+
+
+@triton.jit
+def _list_tiles_kernel(
+    kept_ptr, tiles_ptr, tile_stride, counts_ptr, rescued_ptr, n_row_tiles, ROW_TILES: tl.constexpr
+):  # fmt: skip
+    """A column block's rescued row tiles, then its kept ones, each ascending, as one list; the list's length
+    and how many of it are rescued (one program per column block)."""
     col_block = tl.program_id(0)
     row_tiles = tl.arange(0, ROW_TILES)
     in_range = row_tiles < n_row_tiles
-    is_kept = tl.load(kept_ptr + col_block * tile_stride + row_tiles, mask=in_range, other=0).to(tl.int32)
-    position = tl.cumsum(is_kept, axis=0) - is_kept
-    tl.store(tiles_ptr + col_block * tile_stride + position, row_tiles, mask=in_range & (is_kept > 0))
-    tl.store(counts_ptr + col_block, tl.sum(is_kept, axis=0))
+    state = tl.load(kept_ptr + col_block * tile_stride + row_tiles, mask=in_range, other=0)
+    is_kept = (state == 1).to(tl.int32)
+    is_rescued = (state == 2).to(tl.int32)
+    n_rescued = tl.sum(is_rescued, axis=0)
+    listed = tiles_ptr + col_block * tile_stride
+    tl.store(listed + tl.cumsum(is_rescued, axis=0) - is_rescued, row_tiles, mask=in_range & (is_rescued > 0))
+    tl.store(listed + n_rescued + tl.cumsum(is_kept, axis=0) - is_kept, row_tiles, mask=in_range & (is_kept > 0))
+    tl.store(counts_ptr + col_block, n_rescued + tl.sum(is_kept, axis=0))
+    tl.store(rescued_ptr + col_block, n_rescued)
 
 
 @triton.jit
@@ -201,6 +257,7 @@ def _filtered_weight_grad_kernel(
     tiles_ptr,
     tile_stride,
     counts_ptr,
+    rescued_ptr,
     kept_ptr,
     out_ptr,
     out_stride,
@@ -210,6 +267,7 @@ def _filtered_weight_grad_kernel(
     hidden,
     dense_min_kept,
     DENSE: tl.constexpr,
+    RESCUE: tl.constexpr,
     FIRST: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -239,9 +297,14 @@ def _filtered_weight_grad_kernel(
             x_ptrs = x_ptr + k[:, None].to(tl.int64) * x_stride + hs[None, :]
             for r in range(0, n_row_tiles):
                 # a skipped tile's rows are all masked: nothing loaded, its zeros add nothing
-                k_limit = tl.where(tl.load(kept_ptr + pid_v * tile_stride + r) != 0, n_rows - r * BLOCK_K, 0)
+                state = tl.load(kept_ptr + pid_v * tile_stride + r)
+                k_limit = tl.where(state != 0, n_rows - r * BLOCK_K, 0)
                 k_mask = k < k_limit
                 gt = tl.load(g_ptrs, mask=k_mask[None, :] & col_mask[:, None], other=0.0)
+                if RESCUE:  # a rescued tile (2) counts N times: exact, N a power of two
+                    factor = tl.where(state == 2, RESCUE, 1)
+                    # fp32 where the products are (the interpreter's bf16 arithmetic is wrong, as its tl.dot)
+                    gt = gt.to(tl.float32) * factor if IEEE else gt * factor.to(gt.dtype)
                 if HAS_WEIGHT:
                     x = tl.load(x_ptrs, mask=k_mask[:, None] & h_mask[None, :], other=0.0)
                     acc = _accumulate(gt, x, acc, IEEE)
@@ -250,27 +313,44 @@ def _filtered_weight_grad_kernel(
                 g_ptrs += BLOCK_K * grad_stride
                 x_ptrs += BLOCK_K * x_stride
         else:
-            for i in range(0, kept):
-                rows = tl.load(tiles_ptr + pid_v * tile_stride + i).to(tl.int64) * BLOCK_K + k
-                row_mask = rows < n_rows
-                gt = tl.load(
-                    grad_ptr + rows[None, :] * grad_stride + cols[:, None],
-                    mask=row_mask[None, :] & col_mask[:, None],
-                    other=0.0,
-                )
-                if HAS_WEIGHT:
-                    x = tl.load(
-                        x_ptr + rows[:, None] * x_stride + hs[None, :],
-                        mask=row_mask[:, None] & h_mask[None, :],
-                        other=0.0,
-                    )
-                    acc = _accumulate(gt, x, acc, IEEE)
-                if HAS_BIAS:
-                    bias_acc += tl.sum(gt.to(tl.float32), axis=1)
+            listed = tiles_ptr + pid_v * tile_stride
+            first_kept = 0
+            if RESCUE:  # the rescued tiles, listed first, summed, then counted N times
+                first_kept = tl.load(rescued_ptr + pid_v)
+                acc, bias_acc = _pointer_loop(
+                    grad_ptr, grad_stride, x_ptr, x_stride, listed, 0, first_kept, acc, bias_acc, cols, hs, k,
+                    col_mask, h_mask, n_rows, HAS_WEIGHT, HAS_BIAS, IEEE, BLOCK_K,
+                )  # fmt: skip
+                acc = acc * RESCUE
+                bias_acc = bias_acc * RESCUE
+            acc, bias_acc = _pointer_loop(
+                grad_ptr, grad_stride, x_ptr, x_stride, listed, first_kept, kept, acc, bias_acc, cols, hs, k,
+                col_mask, h_mask, n_rows, HAS_WEIGHT, HAS_BIAS, IEEE, BLOCK_K,
+            )  # fmt: skip
         _store_block(
             acc, bias_acc, out_ptr, out_stride, bias_ptr, cols, hs, col_mask, h_mask, kept, pid_h, FIRST, HAS_WEIGHT,
             HAS_BIAS,
         )  # fmt: skip
+
+
+@triton.jit
+def _pointer_loop(
+    grad_ptr, grad_stride, x_ptr, x_stride, listed, begin, end, acc, bias_acc, cols, hs, k, col_mask, h_mask, n_rows,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """``acc``, ``bias_acc`` plus the listed row tiles ``begin`` to ``end``, through pointers."""
+    for i in range(begin, end):
+        rows = tl.load(listed + i).to(tl.int64) * BLOCK_K + k
+        row_mask = rows < n_rows
+        gt = tl.load(grad_ptr + rows[None, :] * grad_stride + cols[:, None], mask=row_mask[None, :] & col_mask[:, None],
+                     other=0.0)  # fmt: skip
+        if HAS_WEIGHT:
+            x = tl.load(x_ptr + rows[:, None] * x_stride + hs[None, :], mask=row_mask[:, None] & h_mask[None, :],
+                        other=0.0)  # fmt: skip
+            acc = _accumulate(gt, x, acc, IEEE)
+        if HAS_BIAS:
+            bias_acc += tl.sum(gt.to(tl.float32), axis=1)
+    return acc, bias_acc
 
 
 @triton.jit
@@ -280,11 +360,13 @@ def _listed_tma_kernel(
     tiles_ptr,
     tile_stride,
     counts_ptr,
+    rescued_ptr,
     out_ptr,
     out_stride,
     bias_ptr,
     n_cols,
     hidden,
+    RESCUE: tl.constexpr,
     FIRST: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -303,20 +385,44 @@ def _listed_tma_kernel(
     # the next tile's row read one iteration ahead: a TMA load whose offset comes from a load in the same
     # iteration does not pipeline (1.4x cuBLAS per tile against 1.01x, H200)
     next_tile = tl.load(listed, mask=kept > 0, other=0)
-    for i in tl.range(0, kept, num_stages=STAGES):
-        row = next_tile * BLOCK_K
-        next_tile = tl.load(listed + i + 1, mask=i + 1 < kept, other=0)
-        g = grad_desc.load([row, pid_v * BLOCK_V])  # [BLOCK_K, BLOCK_V]; rows and columns past the end read 0
-        if HAS_WEIGHT:
-            acc = _accumulate(tl.trans(g), x_desc.load([row, pid_h * BLOCK_H]), acc, IEEE)
-        if HAS_BIAS:
-            bias_acc += tl.sum(g.to(tl.float32), axis=0)
+    first_kept = 0
+    if RESCUE:  # the rescued tiles, listed first, summed, then counted N times (exact: a power of two)
+        first_kept = tl.load(rescued_ptr + pid_v)
+        for i in tl.range(0, first_kept, num_stages=STAGES):
+            next_tile, acc, bias_acc = _tma_step(
+                grad_desc, x_desc, listed, i, kept, next_tile, acc, bias_acc, pid_v, pid_h, HAS_WEIGHT, HAS_BIAS, IEEE,
+                BLOCK_V, BLOCK_H, BLOCK_K,
+            )  # fmt: skip
+        acc = acc * RESCUE
+        bias_acc = bias_acc * RESCUE
+    for i in tl.range(first_kept, kept, num_stages=STAGES):
+        next_tile, acc, bias_acc = _tma_step(
+            grad_desc, x_desc, listed, i, kept, next_tile, acc, bias_acc, pid_v, pid_h, HAS_WEIGHT, HAS_BIAS, IEEE,
+            BLOCK_V, BLOCK_H, BLOCK_K,
+        )  # fmt: skip
     cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     hs = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     _store_block(
         acc, bias_acc, out_ptr, out_stride, bias_ptr, cols, hs, cols < n_cols, hs < hidden, kept, pid_h, FIRST,
         HAS_WEIGHT, HAS_BIAS,
     )  # fmt: skip
+
+
+@triton.jit
+def _tma_step(
+    grad_desc, x_desc, listed, i, kept, next_tile, acc, bias_acc, pid_v, pid_h, HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Listed tile ``i`` (its row tile ``next_tile``, read the iteration before) into ``acc`` and ``bias_acc``;
+    the next tile's row read."""
+    row = next_tile * BLOCK_K
+    next_tile = tl.load(listed + i + 1, mask=i + 1 < kept, other=0)
+    g = grad_desc.load([row, pid_v * BLOCK_V])  # [BLOCK_K, BLOCK_V]; rows and columns past the end read 0
+    if HAS_WEIGHT:
+        acc = _accumulate(tl.trans(g), x_desc.load([row, pid_h * BLOCK_H]), acc, IEEE)
+    if HAS_BIAS:
+        bias_acc += tl.sum(g.to(tl.float32), axis=0)
+    return next_tile, acc, bias_acc
 
 
 @triton.jit
@@ -358,8 +464,10 @@ def filtered_weight_grad(
     *,
     first: bool,
     grad_bias: torch.Tensor | None = None,
+    rescue: int | None = None,
 ) -> None:
-    """``grad_weight (+)= G.T @ x_chunk`` and ``grad_bias += G.sum(0)`` over the flagged tiles of ``G``.
+    """``grad_weight (+)= G.T @ x_chunk`` and ``grad_bias += G.sum(0)`` over the flagged tiles of ``G``, plus,
+    with ``rescue`` N, about one in N of the others (chosen by a hash of ``x_chunk``), counted N times.
 
     ``grad [n, C]`` (a slab of dL/dlogits), ``x_chunk [n, H]``, ``grad_weight [C, H]`` (any float dtype,
     row-contiguous; ``first`` overwrites it; None: grad_bias only), ``grad_bias [C]`` fp32, ``scratch``
@@ -368,20 +476,23 @@ def filtered_weight_grad(
     """
     n_rows, n_cols = grad.shape
     col_blocks = triton.cdiv(n_cols, FILTER_COLS)
-    flags, tiles, counts, kept = scratch
+    flags, tiles, counts, kept, rescued = scratch
     row_tiles = triton.cdiv(n_rows, FILTER_ROWS)
+    rescue = rescue or 0
     _tile_flags_kernel[(row_tiles, triton.cdiv(col_blocks, _FLAG_BLOCKS))](
-        flags, flags.stride(0), kept, kept.stride(0), n_rows, col_blocks, BLOCK_K=FILTER_ROWS, BLOCK_C=_FLAG_BLOCKS
-    )
+        flags, flags.stride(0), kept, kept.stride(0), x_chunk, x_chunk.stride(0), x_chunk.shape[1], n_rows, col_blocks,
+        BLOCK_K=FILTER_ROWS, BLOCK_C=_FLAG_BLOCKS, RESCUE=rescue, **_HASH_ARGS,
+    )  # fmt: skip
     _list_tiles_kernel[(col_blocks,)](
-        kept, tiles, tiles.stride(0), counts, row_tiles, ROW_TILES=triton.next_power_of_2(row_tiles)
+        kept, tiles, tiles.stride(0), counts, rescued, row_tiles, ROW_TILES=triton.next_power_of_2(row_tiles)
     )
     if _observers:
-        count = TileCount(counts[:col_blocks].sum(), col_blocks * row_tiles)
+        count = TileCount(counts[:col_blocks].sum(), col_blocks * row_tiles, rescued[:col_blocks].sum())
         for observer in _observers:
             observer.append(count)
     hidden = x_chunk.shape[1] if grad_weight is not None else 1
     launch_args = dict(
+        RESCUE=rescue,
         FIRST=first,
         HAS_WEIGHT=grad_weight is not None,
         HAS_BIAS=grad_bias is not None,
@@ -398,6 +509,7 @@ def filtered_weight_grad(
             tiles,
             tiles.stride(0),
             counts,
+            rescued,
             grad_weight,
             0 if grad_weight is None else grad_weight.stride(0),
             grad_bias,
@@ -420,6 +532,7 @@ def filtered_weight_grad(
             tiles,
             tiles.stride(0),
             counts,
+            rescued,
             kept,
             grad_weight,
             0 if grad_weight is None else grad_weight.stride(0),

@@ -14,7 +14,7 @@ from test_loss_kernel import DEVICE, rel_err
 
 from flce_policy.kernels.tma import tma_tensors
 from flce_policy.kernels.weight_grad_filter import filter_scratch, filtered_weight_grad
-from flce_policy.plan.weight_filter import FILTER_COLS, FILTER_ROWS
+from flce_policy.plan.weight_filter import FILTER_COLS, FILTER_ROWS, RESCUE_HASH
 
 pytestmark = pytest.mark.skipif(
     DEVICE == "cuda" and not torch.cuda.is_available(),
@@ -97,3 +97,95 @@ def test_an_ignored_row_clears_its_flags_in_every_block_of_the_row():
     )
     assert workspace.block_v < vocab  # several blocks per row
     assert not flags.any()
+
+
+# --------------------------------------------------------------------------- the rescue: one skipped tile in N kept
+
+
+def rescue_state(mask: torch.Tensor, x: torch.Tensor, rescue: int) -> torch.Tensor:
+    """[row tiles, column blocks]: 1 kept, 2 rescued, 0 skipped, by RESCUE_HASH's rule written out in torch."""
+    columns, block_mul, mixer = RESCUE_HASH["columns"], RESCUE_HASH["block_mul"], RESCUE_HASH["mixer"]
+    mask64 = RESCUE_HASH["mask"]
+    row_tiles, col_blocks = mask.shape
+    first = x[:, :columns].float().cpu()
+    first = torch.nn.functional.pad(first, (0, columns - first.shape[1], 0, row_tiles * FILTER_ROWS - first.shape[0]))
+    bits = first.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    folded = ((bits >> 16) ^ (bits & 0xFFFF)).view(row_tiles, FILTER_ROWS * columns)
+    weights = 2 * torch.arange(FILTER_ROWS * columns, dtype=torch.int64) + 1
+    h = (folded * weights).sum(1) & mask64
+    blocks = torch.arange(col_blocks, dtype=torch.int64)
+    z = (h[:, None] ^ ((blocks[None, :] * block_mul) & mask64)) & mask64
+    for _ in range(RESCUE_HASH["rounds"]):
+        z = ((z ^ (z >> 16)) * mixer) & mask64
+    picked = ((z ^ (z >> 16)) & (rescue - 1)) == 0
+    return torch.where(mask, 1, torch.where(picked, 2, 0)).to(torch.uint8)
+
+
+@pytest.mark.parametrize(
+    ("hidden", "cols", "tma"),
+    [(64, 512, True), (192, 384, True), (60, 512, False), (64, 500, False)],
+    ids=["tma", "tma-narrow", "pointer-x", "pointer-grad"],
+)
+def test_rescued_tiles_count_n_times(hidden, cols, tma):
+    """With a rescue, the kernel's tile states are the hash rule's (checked byte for byte) and grad_weight and
+    grad_bias are fp64's over the kept tiles plus N times the rescued ones, over two chunks."""
+    rescue = 2  # about half the skipped tiles rescued: every launch sees some, and some skipped
+    scratch = filter_scratch(ROWS, cols, torch.device(DEVICE))
+    grad_weight = torch.full((cols, hidden), float("nan"), device=DEVICE)
+    grad_bias = torch.zeros(cols, device=DEVICE)
+    want_w = torch.zeros(cols, hidden, dtype=torch.float64)
+    want_b = torch.zeros(cols, dtype=torch.float64)
+    states = []
+    for index, seed in enumerate((0, 1)):
+        grad, x, mask = chunk_inputs(seed, hidden, cols)
+        assert tma_tensors(grad, x) == tma
+        set_flags(scratch, mask, cols)
+        filtered_weight_grad(grad_weight, grad, x, scratch, first=index == 0, grad_bias=grad_bias, rescue=rescue)
+        state = rescue_state(mask, x, rescue)
+        assert torch.equal(scratch.kept[: mask.shape[1], : mask.shape[0]].cpu(), state.T)
+        states.append(state)
+        scale = torch.where(state == 2, float(rescue), (state == 1).double())
+        part = grad.cpu().double() * expand(scale, cols)
+        want_w += part.T @ x.cpu().double()
+        want_b += part.sum(0)
+    both = torch.cat(states)
+    assert (both == 2).any() and (both == 0).any()  # the case is one: some rescued, some still skipped
+    assert rel_err(grad_weight.cpu().double(), want_w) < TOL
+    assert rel_err(grad_bias.cpu().double(), want_b) < TOL
+
+
+def test_the_rescue_is_unbiased_over_the_data():
+    """Over draws of x (G and the flags fixed), the rescued estimate of the skipped tiles' grad_bias averages
+    to their part (fp64), within the sampling noise, and about 1 in N of them is rescued."""
+    rescue, rows, cols, draws = 4, 512, 1024, 100
+    g = torch.Generator().manual_seed(5)
+    grad = torch.rand(rows, cols, generator=g).to(torch.bfloat16).to(DEVICE)
+    row_tiles, col_blocks = rows // FILTER_ROWS, cols // FILTER_COLS
+    mask = torch.rand(row_tiles, col_blocks, generator=g) < 0.2
+    skipped = expand_to(~mask, rows, cols)
+    want = (grad.cpu().double() * skipped).sum(0)
+    scratch = filter_scratch(rows, cols, torch.device(DEVICE))
+    total, shares = torch.zeros(cols, dtype=torch.float64), []
+    for _ in range(draws):
+        x = torch.randn(rows, 2, generator=g).to(torch.bfloat16).to(DEVICE)
+        flags = torch.zeros(rows, col_blocks, dtype=torch.uint8)
+        flags[::FILTER_ROWS][mask] = 1
+        scratch.flags[:rows, :col_blocks].copy_(flags.to(DEVICE))
+        grad_bias = torch.zeros(cols, device=DEVICE)
+        filtered_weight_grad(None, grad, x, scratch, first=True, grad_bias=grad_bias, rescue=rescue)
+        kept_part = (grad.cpu().double() * expand_to(mask, rows, cols)).sum(0)
+        total += grad_bias.cpu().double() - kept_part
+        state = scratch.kept[:col_blocks, :row_tiles].cpu()
+        shares.append(float((state == 2).sum() / (~mask).sum()))
+    mean = total / draws
+    # per column the estimate is a sum of independent N-scaled Bernoulli(1/N) terms: its standard error
+    # over the draws is sqrt((N - 1) * sum(part**2) / draws); 5 of them allowed, in norm
+    per_tile = (grad.cpu().double() * skipped).view(row_tiles, FILTER_ROWS, cols).sum(1)
+    noise = ((rescue - 1) * (per_tile**2).sum(0) / draws).sqrt()
+    assert (mean - want).norm() < 5 * noise.norm()
+    assert (mean - want).norm() > 0  # an estimate, not the skipped part itself
+    assert abs(sum(shares) / draws - 1 / rescue) < 0.02
+
+
+def expand_to(mask: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    return mask.repeat_interleave(FILTER_ROWS, 0)[:rows].repeat_interleave(FILTER_COLS, 1)[:, :cols].double()

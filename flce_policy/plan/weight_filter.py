@@ -1,9 +1,15 @@
-"""The grad_weight filter's eps: what a valid one is, checked in one place for the call, the YAML and the Geometry.
+"""The grad_weight filter's eps and rescue: what valid ones are, checked in one place for the call, the YAML and the
+Geometry.
 
 ``grad_weight_filter=eps`` lets grad_weight (and grad_bias) skip the tiles of dL/dlogits in which every
 per-token ``|softmax - onehot(target)|`` is below ``eps`` (the rule and its kernels:
 :mod:`flce_policy.kernels.weight_grad_filter`). None is the dense path; 0 skips nothing, so it also runs
 the dense path (a call's way to switch off a policy's filter).
+
+``grad_weight_filter_rescue=N`` makes the filter unbiased: of the tiles it would skip, about one in ``N`` is kept
+anyway and its product scaled by ``N`` (a power of two: exact), so grad_weight's expectation is the dense one.
+Which tiles is a hash of the data, not of the position (a row tile is the same sequence positions at every
+step): :data:`RESCUE_HASH` states it; the kernels compute it on the device.
 """
 
 from __future__ import annotations
@@ -12,7 +18,15 @@ import math
 import re
 from typing import Any
 
-__all__ = ["DENSE_LOOP_MIN_KEPT", "FILTER_COLS", "FILTER_ROWS", "checked_filter_eps"]
+__all__ = [
+    "DENSE_LOOP_MIN_KEPT",
+    "FILTER_COLS",
+    "FILTER_ROWS",
+    "MAX_RESCUE",
+    "RESCUE_HASH",
+    "checked_filter_eps",
+    "checked_filter_rescue",
+]
 
 #: Classes per skip decision: columns of dL/dlogits (rows of grad_weight) per flag.
 FILTER_COLS = 128
@@ -22,6 +36,15 @@ FILTER_ROWS = 64
 #: tile, the skipped ones' loads masked off) rather than its listed loop (kept tiles only, but about
 #: 1.8x slower per tile on the H200: the loop loads its row indices; results/notes/2026-12-01-h200-filter-probe-2.log).
 DENSE_LOOP_MIN_KEPT = 0.5
+#: The largest ``grad_weight_filter_rescue``: one skipped tile in 65536 is as good as none.
+MAX_RESCUE = 2**16
+#: The rescue's hash (kernels.weight_grad_filter computes it; tests state it in torch). ``columns`` of x per
+#: row (the first ones): each value as fp32 bits b, folded to ``(b >> 16) ^ (b & 0xFFFF)``, times the odd
+#: weight ``2 * (row * columns + column) + 1``, summed over the row tile's FILTER_ROWS rows (rows past the
+#: chunk read 0) and masked to 31 bits: h. Per column block c: ``z = (h ^ (c * block_mul & MASK)) & MASK``,
+#: then ``rounds`` times ``z = ((z ^ (z >> 16)) * mixer) & MASK``; ``z ^ (z >> 16)`` with its low log2(N)
+#: bits all 0 rescues the tile (skipped ones only). Every intermediate fits int64.
+RESCUE_HASH = dict(columns=2, block_mul=0x1E3779B1, mixer=0x45D9F3B, rounds=2, mask=0x7FFFFFFF)
 #: A power of two as the docs write eps: ``2**-12`` or ``2^-12``.
 _POWER_OF_TWO = re.compile(r"\s*2\s*(?:\*\*|\^)\s*(-?\d+)\s*")
 
@@ -51,3 +74,23 @@ def checked_filter_eps(value: Any, name: str = "grad_weight_filter", *, text: bo
             f"{name} must be a finite number in [0, 1) (eps on |softmax - onehot|, e.g. 2**-12) or None, got {value!r}"
         )
     return float(value)
+
+
+def checked_filter_rescue(value: Any, name: str = "grad_weight_filter_rescue", *, text: bool = False) -> int | None:
+    """``value`` as the rescue's N (a power of two in ``[2, MAX_RESCUE]``) or None; TypeError/ValueError naming
+    ``name`` otherwise. ``text``: a string (a YAML file's) is read as an integer first."""
+    if value is None:
+        return None
+    if text and isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise ValueError(f"{name} must be a power of two in [2, {MAX_RESCUE}] or None, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int (a power of two in [2, {MAX_RESCUE}]) or None, got {value!r}")
+    if not 2 <= value <= MAX_RESCUE or value & (value - 1):
+        raise ValueError(
+            f"{name} must be a power of two in [2, {MAX_RESCUE}] (one skipped tile in N kept, scaled by N: exact "
+            f"only for a power of two) or None, got {value}"
+        )
+    return value
