@@ -66,6 +66,7 @@ def fused_linear_cross_entropy(
     return_entropy: bool = False,
     softcap_rounding: SoftcapRounding = "fp32",
     grad_weight_filter: float | None = None,
+    grad_weight_filter_rescue: int | None = None,
 ) -> torch.Tensor | FLCEOutput:
     """``cross_entropy(input @ weight.T + bias, target)`` without materialising the logits.
 
@@ -121,6 +122,12 @@ def fused_linear_cross_entropy(
             uniform ``-eps_ls/V`` term. None (default): the policy rule's ``grad_weight_filter`` (none
             unless a rule sets one: the dense path); a number here wins over the policy's, and ``0``
             (nothing skipped) runs the dense path. See docs/grad_weight_filter.md.
+        grad_weight_filter_rescue: N, a power of two in [2, 65536]: of the tiles the filter skips, about one
+            in N (picked by a hash of the tile's rows of ``input`` and its classes: other tiles on every step)
+            is multiplied anyway and counted N times, so grad_weight and grad_bias equal the dense ones in
+            expectation: the filter's bias on training goes, for 1/N of the skipped tiles' cost and some noise
+            in each call's grad_weight. None (default): the policy rule's (none unless a rule sets one). Needs
+            a filter eps (the call's or the rule's): ValueError without one.
         tp_grad_input: ``"full"`` (default) returns the input gradient summed over the group
             (one all-reduce in backward); ``"partial"`` this rank's share, for a caller whose own
             parallel region all-reduces it.
@@ -144,6 +151,7 @@ def fused_linear_cross_entropy(
         return_predicted_tokens=return_predicted_tokens,
         return_entropy=return_entropy,
         grad_weight_filter=grad_weight_filter,
+        grad_weight_filter_rescue=grad_weight_filter_rescue,
     )
     compute_dtype = autocast_dtype(input, weight, bias)
     # A Shard(0) DTensor weight is a tensor-parallel head when the input is a (replicated) DTensor

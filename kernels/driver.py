@@ -201,7 +201,15 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
         # the row-scaled slab is the gradient over each row's scale: grad_weight's GEMM takes x_c times it
         x_operand = x_chunk if x_scaled is None else x_scaled[: stop - start]
         if scratch is not None:
-            filtered_weight_grad(grad_weight, logits, x_operand, scratch, first=index == 0, grad_bias=grad_bias)
+            filtered_weight_grad(
+                grad_weight,
+                logits,
+                x_operand,
+                scratch,
+                first=index == 0,
+                grad_bias=grad_bias,
+                rescue=params.grad_weight_filter_rescue,
+            )
         elif grad_weight is not None:
             # The first chunk overwrites (beta=0): no zero-fill of a parameter-sized buffer.
             accumulate_mm(grad_weight, logits.t(), x_operand, first=index == 0)

@@ -84,6 +84,7 @@ def _halved(original: Geometry, current: Geometry, floor: int) -> Geometry | Non
         vocab_chunk=current.vocab_chunk,  # halve the rows only: a vocab tile stays as the strategy chose it
         accum_dtype=current.accum_dtype,
         grad_weight_filter=current.grad_weight_filter,  # remembered by the policy: keep the rule's filter
+        grad_weight_filter_rescue=current.grad_weight_filter_rescue,
         slab_form=current.slab_form,
         strategy=f"oom fallback from {original.chunk_size} rows ({original.strategy})",
         rule=original.rule,

@@ -173,6 +173,7 @@ class _TiledRun:
                 self.filter,
                 first=first,
                 grad_bias=None if grad_bias is None else grad_bias[start:stop],
+                rescue=self.params.grad_weight_filter_rescue,
             )
         elif grad_weight is not None:
             accumulate_mm(grad_weight[start:stop], tile.t(), x_chunk, first=first)

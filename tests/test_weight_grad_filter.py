@@ -134,6 +134,8 @@ def reference(
         )
     xd = x.double()
     return {
+        "grad": grad,
+        "keep": keep_at(eps),
         "dense_w": grad.T @ xd,
         "filtered_w": (grad * mask).T @ xd,
         "dense_b": grad.sum(0),

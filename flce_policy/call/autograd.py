@@ -31,6 +31,7 @@ from flce_policy.kernels.resilient import run_with_oom_fallback
 from flce_policy.kernels.scale import scale_all_unless_one_
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.oom import DEFAULT_OOM_FALLBACK, OOMFallback
+from flce_policy.plan.weight_filter import check_rescue_has_filter
 
 __all__ = [
     "FLCEFunction", "ForwardResult", "SECOND_ORDER_MESSAGE", "autocast_off", "forward_pass", "grad_request",
@@ -39,6 +40,7 @@ __all__ = [
 
 
 def _ce_params(options: LossOptions) -> CEParams:
+    check_rescue_has_filter(options.grad_weight_filter, options.grad_weight_filter_rescue, "the loss call's ")
     return CEParams(
         ignore_index=options.ignore_index,
         label_smoothing=float(options.label_smoothing),
@@ -51,6 +53,7 @@ def _ce_params(options: LossOptions) -> CEParams:
         entropy=options.return_entropy,
         # 0 skips nothing: the dense GEMMs, not a kernel that would take every tile
         grad_weight_filter=options.grad_weight_filter or None,
+        grad_weight_filter_rescue=options.grad_weight_filter_rescue if options.grad_weight_filter else None,
     )
 
 

@@ -81,7 +81,7 @@ _FIELDS = (
     "policy_key", "rows", "vocab_chunk", "accum", "slab_form",
     "reduction", "ignore_index", "label_smoothing", "softcap", "softcap_rounding", "z_loss_scale",
     "token_accuracy", "predicted_tokens", "token_scaling", "accum_dtype", "entropy", "grad_weight_filter",
-    "compute_dtype", "want_input", "want_weight", "want_bias",
+    "grad_weight_filter_rescue", "compute_dtype", "want_input", "want_weight", "want_bias",
 )  # fmt: skip
 _DTYPE_FIELDS = ("accum_dtype", "compute_dtype")
 
@@ -113,7 +113,11 @@ class _Config:
     def plan(
         self, geometry: Geometry | None, bias: torch.Tensor | None, weight: torch.Tensor
     ) -> tuple[LossOptions, GradRequest]:
-        planned = (None, None) if geometry is None else (geometry.accum_dtype, geometry.grad_weight_filter)
+        planned = (
+            (None, None, None)
+            if geometry is None
+            else (geometry.accum_dtype, geometry.grad_weight_filter, geometry.grad_weight_filter_rescue)
+        )
         key = (planned, bias is not None, weight.dtype)
         found = self._followed.get(key)
         if found is None:
@@ -146,6 +150,7 @@ def _decode(config: str) -> _Config:
         accum_dtype=values["accum_dtype"],
         return_entropy=values["entropy"],
         grad_weight_filter=values["grad_weight_filter"],
+        grad_weight_filter_rescue=values["grad_weight_filter_rescue"],
     )
     return _Config(
         policy=(values["policy_key"], values["rows"], values["vocab_chunk"], values["accum"], values["slab_form"]),
@@ -393,7 +398,7 @@ def compiled_loss(
     from flce_policy.engine.policy import FLCEPolicy
 
     rows, vocab_chunk, accum, slab_form = 0, 0, "", "logits"
-    grad_weight_filter = options.grad_weight_filter
+    grad_weight_filter, rescue = options.grad_weight_filter, options.grad_weight_filter_rescue
     if isinstance(policy, Geometry):
         policy.check_tensors(x, weight, compute_dtype)
         rows, vocab_chunk, accum = policy.chunk_size, policy.vocab_chunk, policy.accum_dtype or ""
@@ -401,6 +406,8 @@ def compiled_loss(
         key = DEFAULT_POLICY_KEY
         if grad_weight_filter is None:  # the given Geometry's filter; an FLCEPolicy's is followed inside the op
             grad_weight_filter = policy.grad_weight_filter
+        if rescue is None:
+            rescue = policy.grad_weight_filter_rescue
     elif policy is None or isinstance(policy, FLCEPolicy):
         key = policy_key(policy)
     else:
@@ -416,7 +423,7 @@ def compiled_loss(
         options.reduction, options.ignore_index, float(options.label_smoothing),
         None if options.softcap is None else float(options.softcap), options.softcap_rounding,
         float(options.z_loss_scale), options.return_token_accuracy, options.return_predicted_tokens,
-        options.use_token_scaling, options.accum_dtype, options.return_entropy, grad_weight_filter,
+        options.use_token_scaling, options.accum_dtype, options.return_entropy, grad_weight_filter, rescue,
         compute_dtype, *wants,
     )  # fmt: skip
     out = _CompiledLoss.apply(x, weight, bias, target, class_weight, config, options.reduction == "none", wants)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from flce_policy.plan.weight_filter import checked_filter_eps
+from flce_policy.plan.weight_filter import checked_filter_eps, checked_filter_rescue
 
 if TYPE_CHECKING:
     from flce_policy.plan.geometry import Geometry
@@ -41,6 +41,8 @@ class LossOptions:
     return_entropy: bool = False
     #: eps of the grad_weight filter; None follows the policy's rule (itself None by default: dense).
     grad_weight_filter: float | None = None
+    #: N of the filter's rescue; None follows the policy's rule (itself None by default: no rescue).
+    grad_weight_filter_rescue: int | None = None
     #: Set by the loss for a vocab-parallel head (``tp_group``, or a ``Shard(0)`` DTensor weight):
     #: this rank's :class:`flce_policy.kernels.vocab_shard.VocabShard`. Not a caller's option.
     vocab_shard: Any = None
@@ -69,6 +71,7 @@ class LossOptions:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         object.__setattr__(self, "grad_weight_filter", checked_filter_eps(self.grad_weight_filter))
+        object.__setattr__(self, "grad_weight_filter_rescue", checked_filter_rescue(self.grad_weight_filter_rescue))
         if self.accum_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(
                 f"accum_dtype must be None, torch.float32, torch.bfloat16 or torch.float16; got {self.accum_dtype!r}"
@@ -76,13 +79,18 @@ class LossOptions:
 
     def following(self, geometry: Geometry) -> LossOptions:
         """These options with the grad_weight accumulator ``geometry`` planned (none given here), and
-        its grad_weight filter (a policy rule's) unless the call gave one: the call's keyword wins.
+        its grad_weight filter and rescue (a policy rule's) where the call gave none: the call's keyword wins.
 
         ValueError when the call asked for a different accumulator than the one planned: the
         geometry's predicted peak and time assume the planned one.
         """
-        if self.grad_weight_filter is None and geometry.grad_weight_filter is not None:
-            return dataclasses.replace(self, grad_weight_filter=geometry.grad_weight_filter).following(geometry)
+        planned_filter = {
+            name: getattr(geometry, name)
+            for name in ("grad_weight_filter", "grad_weight_filter_rescue")
+            if getattr(self, name) is None and getattr(geometry, name) is not None
+        }
+        if planned_filter:
+            return dataclasses.replace(self, **planned_filter).following(geometry)
         if geometry.accum_dtype is None:
             return self
         planned = getattr(torch, geometry.accum_dtype)

@@ -17,7 +17,8 @@ Terms (seconds), each traced to measurements on the H200 (results/notes/README.m
   the share depends on the logits, 0 by default): the kept share of the GEMM at
   ``filtered_gemm_efficiency`` of the dense rate, plus ``filter_fixed_share`` of it paid whatever is
   kept (listing the kept tiles, writing every block of grad_weight), plus one write and read of the
-  per-row flags. These are the TMA launch's (Hopper and later); the pointer-based launches that run
+  per-row flags; with a rescue N (``geometry.grad_weight_filter_rescue``), 1/N of the skipped share is
+  multiplied after all. These are the TMA launch's (Hopper and later); the pointer-based launches that run
   where TMA cannot are slower, not modelled apart;
 - the scaled-exp slab (``geometry.slab_form``): its logits GEMM at ``scaled_exp_gemm_efficiency`` of
   cuBLAS's rate, and the CE kernels one read and one write of the slab (its partials come from the GEMM);
@@ -122,8 +123,8 @@ def predict_seconds(
 
     ``accum_dtype`` is the loss's grad_weight accumulator ("float32"; None = the geometry's planned
     one); one row chunk writes each slice once and needs none (:meth:`Geometry.accum_itemsize`).
-    ``skipped_share``: the share of dL/dlogits tiles the grad_weight filter skips (only with
-    ``geometry.grad_weight_filter``; it depends on the logits, so the caller guesses it).
+    ``skipped_share``: the share of dL/dlogits tiles the grad_weight filter would skip before any rescue (only
+    with ``geometry.grad_weight_filter``; it depends on the logits, so the caller guesses it).
     """
     if not 0.0 <= skipped_share <= 1.0:
         raise ValueError(f"skipped_share must be in [0, 1], got {skipped_share!r}")
@@ -138,6 +139,8 @@ def predict_seconds(
     one_gemm = 2.0 * p.tokens * p.hidden * p.vocab / rates.matmul_flops
     filtered = geometry.grad_weight_filter is not None
     kept = 1.0 - skipped_share if filtered else 1.0
+    if filtered and geometry.grad_weight_filter_rescue is not None:
+        kept += skipped_share / geometry.grad_weight_filter_rescue  # the rescued tiles are multiplied too
     scaled_exp = is_scaled_exp(geometry.slab_form)
     rows = geometry.slab_form == "scaled_exp_rows"
     # two reads and a write of the slab; the scaled-exp slab's partials come from the GEMM: a read and a write,

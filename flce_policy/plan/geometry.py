@@ -17,7 +17,7 @@ from pydantic import (
 from flce_policy.plan.problem import DTYPE_ITEMSIZE, LogitsDType, Problem, checked_dtype, normalise_dtype
 from flce_policy.plan.scaled_exp import is_scaled_exp, scaled_exp_unsupported
 from flce_policy.plan.units import cdiv, format_bytes
-from flce_policy.plan.weight_filter import checked_filter_eps
+from flce_policy.plan.weight_filter import check_rescue_has_filter, checked_filter_eps, checked_filter_rescue
 
 __all__ = ["Geometry"]
 
@@ -48,6 +48,10 @@ class Geometry(BaseModel):
         default=None,
         description="eps of the grad_weight filter a policy rule set (flce_policy.plan.weight_filter); None = dense",
     )
+    grad_weight_filter_rescue: int | None = Field(
+        default=None,
+        description="N: one in N of the tiles the filter skips kept anyway, counted N times (unbiased); None = none",
+    )
     slab_form: Literal["logits", "scaled_exp", "scaled_exp_rows"] = Field(
         default="logits",
         description="what the slab holds: the logits, or exp(z - m) per column tile from the logits GEMM's "
@@ -67,6 +71,7 @@ class Geometry(BaseModel):
         strategy: str = "manual",
         rule: str | None = None,
         grad_weight_filter: float | None = None,
+        grad_weight_filter_rescue: int | None = None,
         slab_form: str = "logits",
     ) -> Geometry:
         """The geometry of ``chunk_size`` rows (and ``vocab_chunk`` columns, default all of V)."""
@@ -82,6 +87,7 @@ class Geometry(BaseModel):
             slab_bytes=chunk_size * vocab_chunk * problem.itemsize,
             accum_dtype=accum_dtype,
             grad_weight_filter=grad_weight_filter,
+            grad_weight_filter_rescue=grad_weight_filter_rescue,
             slab_form=slab_form,
             strategy=strategy,
             rule=rule,
@@ -97,8 +103,14 @@ class Geometry(BaseModel):
     def _checked_filter(cls, value: Any) -> Any:
         return checked_filter_eps(value)
 
+    @field_validator("grad_weight_filter_rescue", mode="before")
+    @classmethod
+    def _checked_rescue(cls, value: Any) -> Any:
+        return checked_filter_rescue(value)
+
     @model_validator(mode="after")
     def _consistent(self) -> Geometry:
+        check_rescue_has_filter(self.grad_weight_filter, self.grad_weight_filter_rescue)
         p = self.problem
         _check_extent("chunk_size", self.chunk_size, p.tokens, "tokens")
         _check_extent("vocab_chunk", self.vocab_chunk, p.vocab, "vocab")
@@ -165,11 +177,14 @@ class Geometry(BaseModel):
         """Rows in the final (possibly shorter) chunk."""
         return self.problem.tokens - (self.num_chunks - 1) * self.chunk_size
 
-    def with_filter(self, grad_weight_filter: float | None) -> Geometry:
-        """A copy whose grad_weight filter is ``grad_weight_filter`` (a policy rule's; the shape is unchanged)."""
-        if grad_weight_filter == self.grad_weight_filter:
+    def with_filter(self, grad_weight_filter: float | None, grad_weight_filter_rescue: int | None = None) -> Geometry:
+        """A copy whose grad_weight filter is ``grad_weight_filter`` with ``grad_weight_filter_rescue`` (a policy
+        rule's; the shape is unchanged)."""
+        if (grad_weight_filter, grad_weight_filter_rescue) == (self.grad_weight_filter, self.grad_weight_filter_rescue):
             return self
-        return self.model_copy(update={"grad_weight_filter": checked_filter_eps(grad_weight_filter)})
+        eps, rescue = checked_filter_eps(grad_weight_filter), checked_filter_rescue(grad_weight_filter_rescue)
+        check_rescue_has_filter(eps, rescue)
+        return self.model_copy(update={"grad_weight_filter": eps, "grad_weight_filter_rescue": rescue})
 
     def with_slab_form(self, slab_form: str) -> Geometry:
         """A copy whose slab holds ``slab_form`` (one of :data:`flce_policy.plan.scaled_exp.SLAB_FORMS`); ValueError
@@ -203,6 +218,8 @@ class Geometry(BaseModel):
         accum = "" if self.accum_dtype is None else f", grad_weight accumulated in {self.accum_dtype}"
         if self.grad_weight_filter is not None:
             accum += f", grad_weight filter eps={self.grad_weight_filter:g}"
+            if self.grad_weight_filter_rescue is not None:
+                accum += f" rescuing 1 in {self.grad_weight_filter_rescue}"
         if self.slab_form != "logits":
             accum += f", {self.slab_form.replace('_', '-')} slab"
         return (

@@ -24,6 +24,7 @@ __all__ = [
     "FILTER_ROWS",
     "MAX_RESCUE",
     "RESCUE_HASH",
+    "check_rescue_has_filter",
     "checked_filter_eps",
     "checked_filter_rescue",
 ]
@@ -94,3 +95,12 @@ def checked_filter_rescue(value: Any, name: str = "grad_weight_filter_rescue", *
             f"only for a power of two) or None, got {value}"
         )
     return value
+
+
+def check_rescue_has_filter(eps: float | None, rescue: int | None, where: str = "") -> None:
+    """ValueError when a rescue is set without a filter eps: there would be no skipped tile to rescue."""
+    if rescue is not None and eps is None:
+        raise ValueError(
+            f"{where}grad_weight_filter_rescue={rescue} needs a grad_weight_filter eps (it rescues some of the tiles "
+            "the filter skips); set grad_weight_filter too, or leave the rescue out"
+        )
