@@ -176,6 +176,20 @@ def filter_eps_arg(option: str, *, positive: bool = False):
     return parse
 
 
+def filter_rescue_arg(option: str):
+    """An argparse type for a grad_weight_filter_rescue N given as ``option``: the library's own check
+    (:func:`flce_policy.plan.weight_filter.checked_filter_rescue`)."""
+    from flce_policy.plan.weight_filter import checked_filter_rescue
+
+    def parse(text: str) -> int:
+        try:
+            return checked_filter_rescue(text, option, text=True)
+        except (TypeError, ValueError) as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    return parse
+
+
 def int_at_least(low: int):
     def parse(text: str) -> int:
         try:

@@ -288,6 +288,8 @@ def test_an_unknown_family_is_matched_by_its_exact_name(tmp_path):
         (["--max-slab", "1GiB", "--shapes", "8x8", "--out", "{tmp}/p.yaml"], "three positive integers"),
         (["--max-slab", "1GiB", "--grad-weight-filter", "-1", "--out", "{tmp}/p.yaml"], "--grad-weight-filter must"),
         (["--max-slab", "1GiB", "--grad-weight-filter", "2**4", "--out", "{tmp}/p.yaml"], "--grad-weight-filter must"),
+        (["--max-slab", "1GiB", "--grad-weight-filter-rescue", "3", "--out", "{tmp}/p.yaml"], "power of two"),
+        (["--max-slab", "1GiB", "--grad-weight-filter-rescue", "16", "--out", "{tmp}/p.yaml"], "needs --grad-weight-"),
     ],
 )
 def test_user_errors_exit_2_on_one_line(tmp_path, capsys, argv, fragment):
@@ -534,6 +536,10 @@ def test_a_grad_weight_filter_is_written_into_the_tuned_rule(tmp_path):
     assert policy.rules[0].grad_weight_filter == 2.0**-12
     assert policy.resolve(Problem(*GEMMA), H200).grad_weight_filter == 2.0**-12
     assert "tune does not measure the filter" in text
+    path, text = written(
+        tmp_path, gemma_rows(), tune.Limits(max_peak=5 * GIB), grad_weight_filter=2.0**-12, grad_weight_filter_rescue=16
+    )
+    assert FLCEPolicy.from_yaml(path).resolve(Problem(*GEMMA), H200).grad_weight_filter_rescue == 16
 
 
 # --- the slab form ------------------------------------------------------------------------------------

@@ -147,3 +147,89 @@ def test_validate_shows_the_rule_filter(tmp_path, capsys):
     assert code == 0
     filters = {d["device"]["family"]: d["grad_weight_filter"] for d in json.loads(out)["decisions"]}
     assert filters["H200"] == 2.0**-12 and filters["H100"] is None
+
+
+# --------------------------------------------------------------------------- the rescue as a policy option
+
+
+def _rescue_yaml(rescue: str, eps: str | None = "2**-8") -> str:
+    rule = "" if eps is None else f"    grad_weight_filter: {eps}\n"
+    return (
+        "version: 1\ndevices:\n  - match: cpu\n    strategy: fixed_chunk_size\n    chunk_size: 64\n" + rule
+        + f"    grad_weight_filter_rescue: {rescue}\n"
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("rescue", "eps", "fragment"),
+    [("3", "2**-8", "power of two"), ("1", "2**-8", "power of two"), ("131072", "2**-8", "power of two"),
+     ("x", "2**-8", "power of two"), ("[2]", "2**-8", "must be an int"), ("16", None, "needs a grad_weight_filter")],
+)  # fmt: skip
+def test_bad_rescue_in_yaml_names_the_key(rescue, eps, fragment):
+    with pytest.raises(ConfigError, match=rf"devices\[0\].*{fragment}") as caught:
+        FLCEPolicy.from_yaml_text(_rescue_yaml(rescue, eps))
+    assert "grad_weight_filter_rescue" in str(caught.value)
+
+
+def test_rescue_round_trips_reaches_the_geometry_and_the_call_wins():
+    policy = FLCEPolicy.from_yaml_text(_rescue_yaml("16"))
+    assert FLCEPolicy.from_yaml_text(policy.to_yaml()) == policy
+    assert policy != FLCEPolicy.from_yaml_text(_rescue_yaml("8"))
+    problem = Problem(tokens=BT, hidden=H, vocab=V, dtype="float32")
+    geometry = policy.resolve(problem, DeviceInfo.cpu())
+    assert (geometry.grad_weight_filter, geometry.grad_weight_filter_rescue) == (EPS, 16)
+    assert policy.resolve(problem, DeviceInfo.synthetic("H100")).grad_weight_filter_rescue is None  # default rule
+    assert LossOptions().following(geometry).grad_weight_filter_rescue == 16
+    assert LossOptions(grad_weight_filter_rescue=4).following(geometry).grad_weight_filter_rescue == 4
+    assert "rescuing 1 in 16" in geometry.describe()
+    with pytest.raises(ValueError, match="needs a grad_weight_filter"):
+        Geometry.for_problem(problem, 64, grad_weight_filter_rescue=16)
+    with pytest.raises(ValueError, match="needs a grad_weight_filter"):
+        FLCEPolicy(grad_weight_filter_rescue=16)
+
+
+def test_the_rule_rescue_runs_as_the_keyword_does():
+    """The rule's rescue gives the call the same gradients as the keyword on a Geometry, eagerly and through the
+    compiled op (its config text carries the rescue)."""
+    t = leaves(peaked_inputs(seed=3), torch.float32)
+    chunk64 = Geometry.for_problem(Problem(tokens=BT, hidden=H, vocab=V, dtype="float32"), 64)
+    by_rule = run(t, policy=FLCEPolicy.from_yaml_text(_rescue_yaml("2")))
+    by_keyword = run(t, policy=chunk64, grad_weight_filter=EPS, grad_weight_filter_rescue=2)
+    unrescued = run(t, policy=chunk64, grad_weight_filter=EPS)
+    assert torch.equal(by_rule[2]["w"], by_keyword[2]["w"]) and torch.equal(by_rule[2]["b"], by_keyword[2]["b"])
+    assert not torch.equal(by_rule[2]["w"], unrescued[2]["w"])  # some tile was rescued
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def loss_fn(x, w, y, b):
+        return fused_linear_cross_entropy(
+            x, w, y, b, policy=chunk64, grad_weight_filter=EPS, grad_weight_filter_rescue=2
+        )
+
+    for k in ("x", "w", "b"):
+        t[k].grad = None
+    loss_fn(t["x"], t["w"], t["y"], t["b"]).backward()
+    assert torch.equal(t["w"].grad, by_keyword[2]["w"]) and torch.equal(t["b"].grad, by_keyword[2]["b"])
+
+
+def test_explain_and_the_cost_model_show_the_rescue(tmp_path, capsys):
+    path = tmp_path / "policy.yaml"
+    path.write_text(_rescue_yaml("16", "2**-12").replace("match: cpu", "match: H100"))
+    code, out, _ = run_cli(
+        capsys, "explain", "--config", str(path), "--device", "H100", "--vocab", "131072", "--hidden", "4096"
+    )
+    assert code == 0 and "except one in 16 of them" in out
+    problem = Problem(tokens=8192, hidden=4096, vocab=131072, dtype="bfloat16")
+    plain = Geometry.for_problem(problem, 2048, grad_weight_filter=2.0**-12)
+    rescued = Geometry.for_problem(problem, 2048, grad_weight_filter=2.0**-12, grad_weight_filter_rescue=4)
+    rates = RATES["H200"]
+    # a quarter of the skipped tiles multiplied after all: between the plain filter and one skipping less
+    assert (
+        predict_seconds(plain, rates, skipped_share=0.8).seconds
+        < predict_seconds(rescued, rates, skipped_share=0.8).seconds
+    )
+    assert predict_seconds(rescued, rates, skipped_share=0.8).seconds == pytest.approx(
+        predict_seconds(plain, rates, skipped_share=0.6).seconds
+    )
+    code, out, _ = run_cli(capsys, "validate", str(path), "--json")
+    rescues = {d["device"]["family"]: d.get("grad_weight_filter_rescue") for d in json.loads(out)["decisions"]}
+    assert code == 0 and rescues["H100"] == 16 and rescues["H200"] is None

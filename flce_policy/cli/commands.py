@@ -327,7 +327,7 @@ def _print_at_call_time(policy: FLCEPolicy, problem: Problem, device: DeviceInfo
         ("Rule", row["rule"]),
         ("Strategy", _row_strategy(row)),
         ("Chunk size", f"{row['at_call_time']}; run explain on that GPU to see the size it picks now"),
-        ("W filter", f"grad_weight_filter={row['grad_weight_filter']}"),
+        ("W filter", _filter_text(row) or "grad_weight_filter=None"),
     ]
     _console().print("\n".join(f"{label + ':':<13}{value}" for label, value in lines))
 
@@ -450,6 +450,7 @@ def _at_call_time(policy: FLCEPolicy, device: DeviceInfo) -> dict[str, Any]:
         "strategy": strategy.config_name(),
         "params": strategy.get_params(),
         "grad_weight_filter": policy.grad_weight_filter_for(device),
+        "grad_weight_filter_rescue": policy.grad_weight_filter_rescue_for(device),
         "at_call_time": "sized at every call from the memory free on the GPU",
     }
 
@@ -495,8 +496,16 @@ def _print_table(
 
 def _row_strategy(row: dict[str, Any]) -> str:
     text = f"{row['strategy']} {_params_text(row.get('params', {}))}".strip()
-    eps = row.get("grad_weight_filter")
-    return text if eps is None else f"{text}, grad_weight_filter={eps:g}"
+    filtered = _filter_text(row)
+    return f"{text}, {filtered}" if filtered else text
+
+
+def _filter_text(row: dict[str, Any]) -> str:
+    """``grad_weight_filter=eps`` (and its rescue) of a decision row; empty without a filter."""
+    eps, rescue = row.get("grad_weight_filter"), row.get("grad_weight_filter_rescue")
+    if eps is None:
+        return ""
+    return f"grad_weight_filter={eps:g}" + ("" if rescue is None else f", grad_weight_filter_rescue={rescue}")
 
 
 def _pick_cells(row: dict[str, Any]) -> list[str]:

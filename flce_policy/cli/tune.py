@@ -47,6 +47,7 @@ from flce_policy.benchmarks.cli import (
     UsageError,
     add_measurement_options,
     filter_eps_arg,
+    filter_rescue_arg,
     run_command,
     shape_arg,
 )
@@ -284,9 +285,11 @@ def tuned_policy(
     *,
     packaged_rules: bool = True,
     grad_weight_filter: float | None = None,
+    grad_weight_filter_rescue: int | None = None,
 ) -> FLCEPolicy:
     """One rule for ``device`` (``strategy``, or by default a slab_budget at the chosen slab, around which
-    ``scaled_exp`` when the choice is on that slab; with ``grad_weight_filter``, that eps as the rule's filter),
+    ``scaled_exp`` when the choice is on that slab; with ``grad_weight_filter``, that eps as the rule's filter, and
+    ``grad_weight_filter_rescue`` its rescue),
     then with ``packaged_rules`` the packaged rules it leaves reachable, and the packaged default strategy and
     OOM settings."""
     packaged = FLCEPolicy.packaged()
@@ -294,6 +297,7 @@ def tuned_policy(
         rule_match(device),
         strategy or on_slab_form(SlabBudget(exact_size(choice.max_slab)), choice.slab_form),
         grad_weight_filter=grad_weight_filter,
+        grad_weight_filter_rescue=grad_weight_filter_rescue,
     )
     others = [r for r in packaged.rules if not _superseded(r, rule.match)] if packaged_rules else []
     return FLCEPolicy(
@@ -340,6 +344,7 @@ def render(
     strategy: ChunkStrategy | None = None,
     packaged_rules: bool = True,
     grad_weight_filter: float | None = None,
+    grad_weight_filter_rescue: int | None = None,
     choices: dict[str, Choice] | None = None,
 ) -> str:
     """The policy file: ``about`` and the measurements as comments, then :func:`tuned_policy` as YAML.
@@ -374,9 +379,14 @@ def render(
             f"grad_weight_filter: {grad_weight_filter!r} written into the rule as given; the times above are the "
             "dense path's (tune does not measure the filter: its gain depends on the model's logits)"
         )
+    if grad_weight_filter_rescue is not None:
+        lines.append(f"grad_weight_filter_rescue: {grad_weight_filter_rescue} written into the rule as given")
     lines += ["", *_rules_note(device, packaged_rules)]
     comments = "".join(f"# {line}".rstrip() + "\n" for line in lines)
-    rules = tuned_policy(choice, device, strategy, packaged_rules=packaged_rules, grad_weight_filter=grad_weight_filter)
+    rules = tuned_policy(
+        choice, device, strategy, packaged_rules=packaged_rules, grad_weight_filter=grad_weight_filter,
+        grad_weight_filter_rescue=grad_weight_filter_rescue,
+    )  # fmt: skip
     return comments + rules.to_yaml()
 
 
@@ -485,6 +495,13 @@ def build_parser(prog: str) -> Parser:
         help="also write this grad_weight_filter eps into the tuned rule (a number or a power of two: 2**-12); "
         "not measured: the times are the dense path's",
     )
+    parser.add_argument(
+        "--grad-weight-filter-rescue",
+        type=filter_rescue_arg("--grad-weight-filter-rescue"),
+        metavar="N",
+        help="with --grad-weight-filter: also write this rescue (a power of two: one skipped tile in N kept, "
+        "counted N times) into the tuned rule",
+    )
     parser.add_argument("--out", required=True, metavar="FILE.yaml", help="the policy file to write")
     parser.add_argument(
         "--no-packaged-rules",
@@ -515,6 +532,10 @@ def run(args: argparse.Namespace) -> int:
     if args.max_peak is None and args.max_slab is None:
         raise UsageError(
             "give --max-peak and/or --max-slab: tune picks the fastest chunk size within the memory you can spare"
+        )
+    if args.grad_weight_filter_rescue is not None and not args.grad_weight_filter:
+        raise UsageError(
+            "--grad-weight-filter-rescue needs --grad-weight-filter (an eps above 0): it rescues tiles the filter skips"
         )
     out = Path(args.out)
     if out.is_dir():
@@ -558,7 +579,8 @@ def run(args: argparse.Namespace) -> int:
         about.append(f"cost model not calibrated: {err}")
     text = render(
         choice, records, limits, device=device, about=about, strategy=strategy, packaged_rules=args.packaged_rules,
-        grad_weight_filter=args.grad_weight_filter, choices=choices,
+        grad_weight_filter=args.grad_weight_filter, grad_weight_filter_rescue=args.grad_weight_filter_rescue,
+        choices=choices,
     )  # fmt: skip
     policy = FLCEPolicy.from_yaml_text(text, source=str(out))  # what is written must load; a failure is a bug
     out.parent.mkdir(parents=True, exist_ok=True)

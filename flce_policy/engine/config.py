@@ -14,7 +14,8 @@ A file reads::
         strategy: slab_budget
         max_slab: 512MiB     # a strategy's parameters sit beside its name
       - match: "*"
-        grad_weight_filter: 2.44140625e-4   # optional, here or in default: the grad_weight filter's eps
+        grad_weight_filter: 2**-12   # optional, here or in default: the grad_weight filter's eps
+        grad_weight_filter_rescue: 16  # optional, with a filter: one skipped tile in 16 kept, counted 16 times
         strategy: free_memory
         cap:                 # a strategy parameter may itself be a strategy mapping
           strategy: heuristic_c
@@ -37,7 +38,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError, field_validator, model_validator
 
 from flce_policy.plan.units import parse_bytes
-from flce_policy.plan.weight_filter import checked_filter_eps
+from flce_policy.plan.weight_filter import check_rescue_has_filter, checked_filter_eps, checked_filter_rescue
 from flce_policy.strategies import ChunkStrategy, StrategyError, strategy_class, strategy_from_config
 
 __all__ = [
@@ -59,9 +60,11 @@ CONFIG_VERSION = 1
 #: only exhaust Python's recursion limit somewhere less clear.
 MAX_NESTING = 32
 #: Keys a ``devices`` entry understands besides the parameters of its strategy.
-RULE_KEYS = ("match", "min_total_memory", "max_total_memory", "strategy", "grad_weight_filter")
+RULE_KEYS = (
+    "match", "min_total_memory", "max_total_memory", "strategy", "grad_weight_filter", "grad_weight_filter_rescue"
+)  # fmt: skip
 #: Keys ``default`` understands besides the parameters of its strategy.
-DEFAULT_KEYS = ("strategy", "grad_weight_filter")
+DEFAULT_KEYS = ("strategy", "grad_weight_filter", "grad_weight_filter_rescue")
 _TOP_KEYS = ("version", "oom_fallback", "min_chunk_size", "default", "devices")
 
 
@@ -84,6 +87,7 @@ class RuleConfig(NamedTuple):
     min_total_memory: int | str | None
     max_total_memory: int | str | None
     grad_weight_filter: float | None = None
+    grad_weight_filter_rescue: int | None = None
 
 
 class PolicyConfig(NamedTuple):
@@ -94,6 +98,7 @@ class PolicyConfig(NamedTuple):
     oom_fallback: bool | None = None
     min_chunk_size: int | None = None
     default_grad_weight_filter: float | None = None
+    default_grad_weight_filter_rescue: int | None = None
 
 
 # --- the schema ----------------------------------------------------------------------------------
@@ -136,7 +141,8 @@ class _StrategyEntry(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     strategy: StrictStr
-    grad_weight_filter: Any = None  # a rule key, not a strategy parameter
+    grad_weight_filter: Any = None  # rule keys, not strategy parameters
+    grad_weight_filter_rescue: Any = None
 
     @field_validator("grad_weight_filter")
     @classmethod
@@ -145,6 +151,19 @@ class _StrategyEntry(BaseModel):
             return checked_filter_eps(value, "grad_weight_filter", text=True)
         except TypeError as err:  # pydantic reports a ValueError under the key's path; a TypeError would escape
             raise ValueError(str(err)) from None
+
+    @field_validator("grad_weight_filter_rescue")
+    @classmethod
+    def _rescue(cls, value: Any) -> int | None:
+        try:
+            return checked_filter_rescue(value, "grad_weight_filter_rescue", text=True)
+        except TypeError as err:
+            raise ValueError(str(err)) from None
+
+    @model_validator(mode="after")
+    def _rescue_has_filter(self) -> _StrategyEntry:
+        check_rescue_has_filter(self.grad_weight_filter, self.grad_weight_filter_rescue)
+        return self
 
 
 class _RuleEntry(_StrategyEntry):
@@ -190,12 +209,12 @@ def parse_config(data: Any, *, source: str = "<dict>") -> PolicyConfig:
     top = _validate(_TopLevel, data, (), problems)
     if top is None:
         raise ConfigError(source, problems)
-    default, default_filter = None, None
+    default, default_filter = None, (None, None)
     if top.default is not None:
         entry = _validate(_StrategyEntry, top.default, ("default",), problems)
         if entry is not None:
             default = _build_strategy(entry, DEFAULT_KEYS, ("default",), problems)
-            default_filter = entry.grad_weight_filter
+            default_filter = (entry.grad_weight_filter, entry.grad_weight_filter_rescue)
     rules: list[RuleConfig] = []
     for i, raw in enumerate(top.devices or []):
         loc = ("devices", i)
@@ -203,11 +222,18 @@ def parse_config(data: Any, *, source: str = "<dict>") -> PolicyConfig:
         strategy = None if rule is None else _build_strategy(rule, RULE_KEYS, loc, problems)
         if strategy is not None:
             rules.append(
-                RuleConfig(rule.match, strategy, rule.min_total_memory, rule.max_total_memory, rule.grad_weight_filter)
+                RuleConfig(
+                    rule.match,
+                    strategy,
+                    rule.min_total_memory,
+                    rule.max_total_memory,
+                    rule.grad_weight_filter,
+                    rule.grad_weight_filter_rescue,
+                )  # fmt: skip
             )
     if problems:
         raise ConfigError(source, problems)
-    return PolicyConfig(default, rules, top.oom_fallback, top.min_chunk_size, default_filter)
+    return PolicyConfig(default, rules, top.oom_fallback, top.min_chunk_size, *default_filter)
 
 
 def _too_deep(data: Any) -> tuple | None:

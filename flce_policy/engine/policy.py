@@ -23,7 +23,13 @@ from flce_policy.plan.oom import DEFAULT_MIN_CHUNK_SIZE, OOMFallback
 from flce_policy.plan.problem import Problem
 from flce_policy.plan.scaled_exp import SCALED_EXP_TILE
 from flce_policy.plan.units import format_bytes, parse_bytes
-from flce_policy.plan.weight_filter import FILTER_COLS, FILTER_ROWS, checked_filter_eps
+from flce_policy.plan.weight_filter import (
+    FILTER_COLS,
+    FILTER_ROWS,
+    check_rescue_has_filter,
+    checked_filter_eps,
+    checked_filter_rescue,
+)
 from flce_policy.strategies import ChunkStrategy, HeuristicC, checked_geometry
 
 __all__ = ["CONFIG_ENV_VAR", "DEFAULT_RULE", "DeviceRule", "FLCEPolicy"]
@@ -49,12 +55,13 @@ class _AskEachCall(NamedTuple):
     strategy: ChunkStrategy
     ceiling: Geometry | None = None
     grad_weight_filter: float | None = None  # the rule's, set on every geometry the strategy answers
+    grad_weight_filter_rescue: int | None = None
 
     def geometry(self, problem: Problem, device: DeviceInfo) -> Geometry:
         geometry = checked_geometry(self.strategy, problem, device, rule=self.rule)
         if self.ceiling is not None and geometry.chunk_size > self.ceiling.chunk_size:
             return self.ceiling
-        return geometry.with_filter(self.grad_weight_filter)
+        return geometry.with_filter(self.grad_weight_filter, self.grad_weight_filter_rescue)
 
 
 @dataclass(frozen=True)
@@ -66,7 +73,8 @@ class DeviceRule:
     matches every device, the CPU fallback included; write ``match: cpu`` to single that out.
     Memory bounds are bytes or strings such as ``"200GiB"``, inclusive, kept as written.
     ``grad_weight_filter``: the eps of the grad_weight filter on those devices (None: dense), which a
-    loss call's own ``grad_weight_filter`` overrides (flce_policy.plan.weight_filter).
+    loss call's own ``grad_weight_filter`` overrides (flce_policy.plan.weight_filter); ``grad_weight_filter_rescue``
+    its rescue N (needs the eps; the call's keyword overrides it too).
     """
 
     match: str
@@ -74,6 +82,7 @@ class DeviceRule:
     min_total_memory: int | str | None = field(default=None, kw_only=True)
     max_total_memory: int | str | None = field(default=None, kw_only=True)
     grad_weight_filter: float | None = field(default=None, kw_only=True)
+    grad_weight_filter_rescue: int | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         if not isinstance(self.match, str) or not self.match.strip():
@@ -83,6 +92,8 @@ class DeviceRule:
         self.strategy.validate_params()
         self.strategy.get_params()  # a parameter kept under another name is refused here, not at first use
         object.__setattr__(self, "grad_weight_filter", checked_filter_eps(self.grad_weight_filter))
+        object.__setattr__(self, "grad_weight_filter_rescue", checked_filter_rescue(self.grad_weight_filter_rescue))
+        check_rescue_has_filter(self.grad_weight_filter, self.grad_weight_filter_rescue, "DeviceRule: ")
         low = None if self.min_total_memory is None else parse_bytes(self.min_total_memory)
         high = None if self.max_total_memory is None else parse_bytes(self.max_total_memory)
         if low is not None and high is not None and low > high:
@@ -118,7 +129,7 @@ class DeviceRule:
     def to_config(self) -> dict[str, Any]:
         """The YAML ``devices`` entry: rule keys, then ``strategy`` and its parameters."""
         entry: dict[str, Any] = {"match": self.match}
-        for key in ("min_total_memory", "max_total_memory", "grad_weight_filter"):
+        for key in ("min_total_memory", "max_total_memory", "grad_weight_filter", "grad_weight_filter_rescue"):
             if getattr(self, key) is not None:
                 entry[key] = getattr(self, key)
         return {**entry, **self.strategy.to_config()}
@@ -133,7 +144,8 @@ class FLCEPolicy:
     a dynamic strategy (one reading free memory) is asked on every call instead.
     ``oom_fallback``: a loss call whose slab runs out of memory is retried at half the rows, down
     to ``min_chunk_size``, and the geometry that completed is remembered (:meth:`remember`).
-    ``grad_weight_filter``: the default rule's grad_weight filter eps (None: dense); a device rule sets its own.
+    ``grad_weight_filter``, ``grad_weight_filter_rescue``: the default rule's grad_weight filter eps (None: dense)
+    and its rescue N (None: none); a device rule sets its own.
     Equality compares content (strategies, rules, OOM settings), not where the policy was loaded from.
     """
 
@@ -146,8 +158,11 @@ class FLCEPolicy:
         oom_fallback: bool = True,
         min_chunk_size: int = DEFAULT_MIN_CHUNK_SIZE,
         grad_weight_filter: float | None = None,
+        grad_weight_filter_rescue: int | None = None,
     ) -> None:
         self.default_grad_weight_filter = checked_filter_eps(grad_weight_filter)
+        self.default_grad_weight_filter_rescue = checked_filter_rescue(grad_weight_filter_rescue)
+        check_rescue_has_filter(self.default_grad_weight_filter, self.default_grad_weight_filter_rescue, "FLCEPolicy: ")
         self.default_strategy: ChunkStrategy = HeuristicC(c=1) if default is None else default
         if not isinstance(self.default_strategy, ChunkStrategy):
             raise TypeError(f"default must be a ChunkStrategy, got {self.default_strategy!r}")
@@ -181,7 +196,7 @@ class FLCEPolicy:
         rules = [
             DeviceRule(
                 r.match, r.strategy, min_total_memory=r.min_total_memory, max_total_memory=r.max_total_memory,
-                grad_weight_filter=r.grad_weight_filter,
+                grad_weight_filter=r.grad_weight_filter, grad_weight_filter_rescue=r.grad_weight_filter_rescue,
             )
             for r in config.rules
         ]  # fmt: skip
@@ -190,6 +205,7 @@ class FLCEPolicy:
             "oom_fallback": config.oom_fallback,
             "min_chunk_size": config.min_chunk_size,
             "grad_weight_filter": config.default_grad_weight_filter,
+            "grad_weight_filter_rescue": config.default_grad_weight_filter_rescue,
         }
         settings = {key: value for key, value in given.items() if value is not None}
         return cls(default=config.default, rules=rules, source=source, **settings)
@@ -232,7 +248,7 @@ class FLCEPolicy:
             "min_chunk_size": self.min_chunk_size,
             "default": {
                 **self.default_strategy.to_config(),
-                **_filter_entry(self.default_grad_weight_filter),
+                **_filter_entry(self.default_grad_weight_filter, self.default_grad_weight_filter_rescue),
             },
             "devices": [rule.to_config() for rule in self.rules],
         }
@@ -254,8 +270,18 @@ class FLCEPolicy:
 
     def grad_weight_filter_for(self, device: DeviceInfo) -> float | None:
         """The grad_weight filter eps of the rule that applies to ``device`` (None: dense)."""
+        return self._filter_for(device)[0]
+
+    def grad_weight_filter_rescue_for(self, device: DeviceInfo) -> int | None:
+        """The grad_weight filter rescue N of the rule that applies to ``device`` (None: none)."""
+        return self._filter_for(device)[1]
+
+    def _filter_for(self, device: DeviceInfo) -> tuple[float | None, int | None]:
+        """The grad_weight filter eps and rescue of the rule that applies to ``device``."""
         _, rule = self._matching_rule(device)
-        return self.default_grad_weight_filter if rule is None else rule.grad_weight_filter
+        if rule is None:
+            return self.default_grad_weight_filter, self.default_grad_weight_filter_rescue
+        return rule.grad_weight_filter, rule.grad_weight_filter_rescue
 
     def _matching_rule(self, device: DeviceInfo) -> tuple[int, DeviceRule | None]:
         """The first device rule that matches ``device`` and its index; (-1, None) for the default rule."""
@@ -281,11 +307,11 @@ class FLCEPolicy:
         if entry is None:
             _check_resolve_args(problem, device)
             rule, strategy = self.resolve_rule(device)
-            eps = self.grad_weight_filter_for(device)
+            eps, rescue = self._filter_for(device)
             entry = (
-                _AskEachCall(rule, strategy, grad_weight_filter=eps)
+                _AskEachCall(rule, strategy, grad_weight_filter=eps, grad_weight_filter_rescue=rescue)
                 if strategy.dynamic
-                else checked_geometry(strategy, problem, device, rule=rule).with_filter(eps)
+                else checked_geometry(strategy, problem, device, rule=rule).with_filter(eps, rescue)
             )
             self._store(key, entry)
         if type(entry) is _AskEachCall:
@@ -303,9 +329,9 @@ class FLCEPolicy:
                 f"cannot remember a geometry made for {geometry.problem.describe()} as the one for {problem.describe()}"
             )
         rule, strategy = self.resolve_rule(device)
-        eps = self.grad_weight_filter_for(device)
-        geometry = geometry.with_filter(eps)
-        entry = _AskEachCall(rule, strategy, geometry, eps) if strategy.dynamic else geometry
+        eps, rescue = self._filter_for(device)
+        geometry = geometry.with_filter(eps, rescue)
+        entry = _AskEachCall(rule, strategy, geometry, eps, rescue) if strategy.dynamic else geometry
         self._store((problem, device), entry)
 
     def oom_fallback_for(self, problem: Problem, device: DeviceInfo) -> OOMFallback | None:
@@ -384,6 +410,7 @@ class FLCEPolicy:
             "oom_fallback": self.oom_fallback,
             "min_chunk_size": self.min_chunk_size,
             "grad_weight_filter": geometry.grad_weight_filter,
+            "grad_weight_filter_rescue": geometry.grad_weight_filter_rescue,
             "slab_form": geometry.slab_form,
             **_filter_times(geometry, rates),
             **tp,
@@ -454,6 +481,7 @@ class FLCEPolicy:
             and self.rules == other.rules
             and (self.oom_fallback, self.min_chunk_size) == (other.oom_fallback, other.min_chunk_size)
             and self.default_grad_weight_filter == other.default_grad_weight_filter
+            and self.default_grad_weight_filter_rescue == other.default_grad_weight_filter_rescue
         )
 
     __hash__ = None  # type: ignore[assignment]  # equal by content, and the cache makes it mutable
@@ -462,13 +490,15 @@ class FLCEPolicy:
         return (
             f"FLCEPolicy(default={self.default_strategy!r}, rules={list(self.rules)!r}, "
             f"oom_fallback={self.oom_fallback!r}, min_chunk_size={self.min_chunk_size!r}, "
-            f"grad_weight_filter={self.default_grad_weight_filter!r}, source={self.source!r})"
+            f"grad_weight_filter={self.default_grad_weight_filter!r}, "
+            f"grad_weight_filter_rescue={self.default_grad_weight_filter_rescue!r}, source={self.source!r})"
         )
 
 
-def _filter_entry(eps: float | None) -> dict[str, float]:
-    """The ``grad_weight_filter`` key of a YAML rule, absent when the rule has none."""
-    return {} if eps is None else {"grad_weight_filter": eps}
+def _filter_entry(eps: float | None, rescue: int | None) -> dict[str, float | int]:
+    """The ``grad_weight_filter`` and ``grad_weight_filter_rescue`` keys of a YAML rule, each absent when unset."""
+    entry = {"grad_weight_filter": eps, "grad_weight_filter_rescue": rescue}
+    return {key: value for key, value in entry.items() if value is not None}
 
 
 def _check_resolve_args(problem: Any, device: Any) -> None:
@@ -528,10 +558,16 @@ def _filter_note(d: dict[str, Any]) -> str:
     if eps is None:
         return "off (dense grad_weight); a rule's or the call's grad_weight_filter switches it on"
     times = ", ".join(f"{ms:.1f} ms at {share}" for share, ms in d["predicted_ms_filtered"].items())
+    rescue = d["grad_weight_filter_rescue"]
+    rescued = (
+        ""
+        if rescue is None
+        else f", except one in {rescue} of them (a hash of the data picks it) counted {rescue} times: unbiased"
+    )
     return (
         f"grad_weight_filter={eps:g} (from the rule): grad_weight and grad_bias skip the {FILTER_ROWS}x{FILTER_COLS} "
-        f"tiles of dL/dlogits where every |softmax - onehot| < {eps:g}; predicted {times} of the tiles skipped "
-        "(the share depends on the logits); a call's grad_weight_filter overrides it"
+        f"tiles of dL/dlogits where every |softmax - onehot| < {eps:g}{rescued}; predicted {times} of the tiles "
+        "skipped (the share depends on the logits); a call's grad_weight_filter overrides it"
     )
 
 
