@@ -1,12 +1,13 @@
 """Does a loss option change training? The trained-inputs model trained several times from one seed.
 
-``python -m flce_policy.benchmarks.convergence --out DIR [--steps N] [--filter EPS] [--runs-per-arm R]``
-prepares the corpus and tokenizer once (:func:`.trained_inputs.prepare_streams`), then trains the same
-model from the same seed on the same batches ``2 R`` times, alternating the filter off and
-``grad_weight_filter=EPS`` on. Runs of one arm differ only by the GPU's non-deterministic reductions:
-their spread is the run-to-run noise the filter's effect is held against (without the filter three H200
-runs ended at 2.944, 2.948 and 2.875 nats held-out). It writes each run's loss curve and held-out loss
-to ``convergence.json`` and the curves to ``convergence.png``.
+``python -m flce_policy.benchmarks.convergence --out DIR [--steps N] [--filter EPS] [--rescue N]
+[--runs-per-arm R]`` prepares the corpus and tokenizer once (:func:`.trained_inputs.prepare_streams`),
+then trains the same model from the same seed on the same batches ``2 R`` times, alternating the filter
+off and ``grad_weight_filter=EPS`` on (with ``grad_weight_filter_rescue=N`` when given). Runs of one arm
+differ only by the GPU's non-deterministic reductions: their spread is the run-to-run noise the filter's
+effect is held against (without the filter three H200 runs ended at 2.944, 2.948 and 2.875 nats
+held-out). It writes each run's loss curve and held-out loss to ``convergence.json`` and the curves to
+``convergence.png``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .cli import filter_eps_arg
+from .cli import filter_eps_arg, filter_rescue_arg
 from .trained_config import TrainedConfig
 from .trained_inputs import default_device, log_stderr, prepare_streams
 
@@ -34,13 +35,15 @@ def run_all(
     config: TrainedConfig,
     eps: float,
     *,
+    rescue: int | None = None,
     runs_per_arm: int = RUNS_PER_ARM,
     max_seconds: float | None = None,
     sources: Callable[[], list] | None = None,
     log: Callable[[str], None] = log_stderr,
 ) -> dict[str, Any]:
     """``runs_per_arm`` trainings without the filter and as many with it, alternating (off first), their
-    held-out losses and the comparison of the two arms; ``sources()`` lists the corpus files."""
+    held-out losses and the comparison of the two arms; ``sources()`` lists the corpus files. ``rescue``: the
+    filtered arm's ``grad_weight_filter_rescue``."""
     from .trained_model import held_out_loss, train
 
     if runs_per_arm < 2:
@@ -51,6 +54,8 @@ def run_all(
     for repeat in range(1, runs_per_arm + 1):
         for filtered in (False, True):
             options = {"grad_weight_filter": eps} if filtered else {}
+            if filtered and rescue is not None:
+                options["grad_weight_filter_rescue"] = rescue
             label = f"filter {'on' if filtered else 'off'} #{repeat}"
             log(f"training: {label} {options}")
             result = train(
@@ -69,7 +74,7 @@ def run_all(
             runs.append({"label": label, "options": options, "held_out_ce": held_out, "seconds": result.seconds,
                          "losses": result.losses})  # fmt: skip
             del result
-    return {"config": config.model_dump(), "eps": eps, "runs": runs, **compare_arms(runs)}
+    return {"config": config.model_dump(), "eps": eps, "rescue": rescue, "runs": runs, **compare_arms(runs)}
 
 
 def compare_arms(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -105,8 +110,11 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats)")
     arms = result["arms"]
+    rescue = result.get("rescue")
+    rescued = "" if rescue is None else f", rescue 1 in {rescue}"
     ax.set_title(
-        f"grad_weight_filter={result['eps']:g}: held-out {arms['on']['mean']:.4f} +- {arms['on']['std']:.4f} nats, "
+        f"grad_weight_filter={result['eps']:g}{rescued}: "
+        f"held-out {arms['on']['mean']:.4f} +- {arms['on']['std']:.4f} nats, "
         f"without {arms['off']['mean']:.4f} +- {arms['off']['std']:.4f} ({arms['on']['runs']} runs each)",
         fontsize=9,
     )
@@ -128,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="the filter's eps, a number or a power of two such as 2**-16 (default 2**-12)",
     )  # fmt: skip
     parser.add_argument(
+        "--rescue", type=filter_rescue_arg("--rescue"), default=None, metavar="N",
+        help="the filtered arm's grad_weight_filter_rescue (a power of two; default none)",
+    )  # fmt: skip
+    parser.add_argument(
         "--runs-per-arm", type=int, default=RUNS_PER_ARM, metavar="R",
         help=f"trainings with the filter and as many without, alternating (default {RUNS_PER_ARM}, at least 2)",
     )  # fmt: skip
@@ -144,12 +156,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("error: the convergence runs need a CUDA GPU", file=sys.stderr)
         return 2
     config = TrainedConfig(**({"steps": args.steps} if args.steps else {}))
-    result = run_all(config, args.filter, runs_per_arm=args.runs_per_arm, max_seconds=args.max_train_seconds)
+    result = run_all(
+        config, args.filter, rescue=args.rescue, runs_per_arm=args.runs_per_arm, max_seconds=args.max_train_seconds
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "convergence.json").write_text(json.dumps(result, indent=1) + "\n")
     _plot(result, out / "convergence.png")
-    print(json.dumps({k: result[k] for k in ("eps", "arms", "filter_effect", "standard_error", "within_noise")}))
+    summary = ("eps", "rescue", "arms", "filter_effect", "standard_error", "within_noise")
+    print(json.dumps({k: result[k] for k in summary}))
     print(json.dumps([{k: r[k] for k in ("label", "held_out_ce", "seconds")} for r in result["runs"]]))
     return 0
 

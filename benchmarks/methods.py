@@ -58,6 +58,8 @@ PEER_DEFAULTS = frozenset({"liger_c1_bf16", "liger_c1_fp32", "quack", "cce", "ea
 _ACCUM_DTYPES: dict[str, torch.dtype | None] = {"bf16": None, "fp32": torch.float32}
 #: The grad_weight filters benched: eps = 2^-12 and 2^-16 (issue 26's two), and two between them (the trade-off).
 FILTER_EXPONENTS = (12, 13, 14, 16)
+#: The rescued filters benched, (eps exponent, N): 2^-12's skipping with one skipped tile in 16 kept (unbiased).
+RESCUED_FILTERS = ((12, 16),)
 #: The family of the fixed-chunk rows on each slab form (tune chooses among them).
 FIXED_FAMILIES = {
     "logits": "ours fixed",
@@ -392,6 +394,17 @@ def default_methods(
                 "ours filtered",
                 ours(lambda _inputs: policy, grad_weight_filter=eps),
                 options={"grad_weight_filter": eps},
+                plan=policy.resolve,
+            )
+        )
+    for exponent, rescue in RESCUED_FILTERS:
+        options = {"grad_weight_filter": 2.0**-exponent, "grad_weight_filter_rescue": rescue}
+        methods.append(
+            Method(
+                f"ours_filter{exponent}_rescue{rescue}_bf16",
+                "ours filtered",
+                ours(lambda _inputs: policy, **options),
+                options=options,
                 plan=policy.resolve,
             )
         )

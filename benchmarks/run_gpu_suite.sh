@@ -12,7 +12,7 @@
 # benchmarks/trained_inputs.py, report its logits, then bench issue 26's methods on its held-out inputs, all in
 # $OUT/trained — one call, since the cache it builds lives on the machine only, and the same rows on
 # random logits; convergence: the model trained with grad_weight_filter off and on, alternating, CONVERGENCE_RUNS_PER_ARM (2) each,
-# CONVERGENCE_STEPS steps each, at CONVERGENCE_FILTER (default 2**-12))
+# CONVERGENCE_STEPS steps each, at CONVERGENCE_FILTER (default 2**-12), with CONVERGENCE_RESCUE's rescue if set)
 # Expects wheels in .whl/ (ours, built with `python -m build --wheel -o .whl`, plus the peers
 # liger-kernel and cut-cross-entropy); installs them into /tmp/site and runs from outside the
 # checkout so the installed package (with its package-dir mapping) is what gets imported.
@@ -41,8 +41,10 @@ while [ $# -gt 0 ]; do
       # the scaled-exp slab's option tests (the interpreter's shapes), compiled on CUDA: every option on the GPU
       TRITON_INTERPRET=0 python3 -m pytest "$repo/tests/test_scaled_exp.py" -q -p no:cacheprovider 2>&1 \
         | tee "$out/gpu_scaled_exp_options.log" || status=1
-      # the filtered grad_weight kernel's launches (TMA wide and narrow, pointer-based) against fp64, compiled
-      TRITON_INTERPRET=0 python3 -m pytest "$repo/tests/test_weight_grad_filter_kernel.py" -q -p no:cacheprovider 2>&1 \
+      # the filtered grad_weight kernel's launches (TMA wide and narrow, pointer-based) against fp64, with and without
+      # the rescue, and the rescue at the loss, compiled
+      TRITON_INTERPRET=0 python3 -m pytest "$repo/tests/test_weight_grad_filter_kernel.py" \
+        "$repo/tests/test_weight_grad_filter_rescue.py" -q -p no:cacheprovider 2>&1 \
         | tee "$out/gpu_filter_kernel.log" || status=1
       shift ;;
     bench)
@@ -94,7 +96,7 @@ while [ $# -gt 0 ]; do
       shift ;;
     convergence)
       # trainings of the trained-inputs model from one seed, filter off and on ($CONVERGENCE_FILTER, 2**-12 by default) alternating, 2 of each by default
-      python3 -m flce_policy.benchmarks.convergence --out "$out/convergence" ${CONVERGENCE_STEPS:+--steps "$CONVERGENCE_STEPS"} ${CONVERGENCE_RUNS_PER_ARM:+--runs-per-arm "$CONVERGENCE_RUNS_PER_ARM"} ${CONVERGENCE_FILTER:+--filter "$CONVERGENCE_FILTER"} \
+      python3 -m flce_policy.benchmarks.convergence --out "$out/convergence" ${CONVERGENCE_STEPS:+--steps "$CONVERGENCE_STEPS"} ${CONVERGENCE_RUNS_PER_ARM:+--runs-per-arm "$CONVERGENCE_RUNS_PER_ARM"} ${CONVERGENCE_FILTER:+--filter "$CONVERGENCE_FILTER"} ${CONVERGENCE_RESCUE:+--rescue "$CONVERGENCE_RESCUE"} \
         2>&1 | tee "$out/convergence.log" || status=1
       shift ;;
     quick)

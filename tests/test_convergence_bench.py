@@ -72,3 +72,13 @@ def test_a_filter_that_filters_nothing_or_is_not_an_eps_is_refused(text, capsys)
         build_parser().parse_args(["--out", "d", "--filter", text])
     assert exit_info.value.code == 2
     assert "--filter" in capsys.readouterr().err
+
+
+def test_the_rescue_reaches_the_filtered_arm_only():
+    result = run_all(TINY.model_copy(update={"steps": 2}), 0.5, rescue=2, sources=tiny_sources, log=lambda _m: None)
+    off1, on1, _, _ = result["runs"]
+    assert on1["options"] == {"grad_weight_filter": 0.5, "grad_weight_filter_rescue": 2} and off1["options"] == {}
+    assert result["rescue"] == 2
+    assert build_parser().parse_args(["--out", "d", "--rescue", "16"]).rescue == 16
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--out", "d", "--rescue", "3"])
