@@ -216,7 +216,8 @@ def test_flat_logits_nothing_skipped_same_results():
     dense = run(t, policy=geometry(torch.float32))
     filtered = run(t, policy=geometry(torch.float32), grad_weight_filter=FLAT_EPS)
     ref = reference(t, torch.float32, eps=FLAT_EPS, chunk=64)
-    assert ref["kept_share"] == 1.0
+    # every tile of the 2 row chunks x 4 column blocks kept (counted: CUDA's mean of 50900 ones is not exactly 1)
+    assert ref["kept_tiles"] == 8
     assert_same(filtered, dense)
     # another GEMM (the filtered kernel) over the same terms: equal up to fp32 summation order
     assert rel_err(filtered[2]["w"], dense[2]["w"]) < FP32_TOL
