@@ -330,8 +330,10 @@ def _hf_colwise_head(rank, world):
 def _grad_weight_filter(rank, world):
     """The filter on a shard: tiles of the shard's own columns; loss and grad_input bit for bit the unfiltered
     call's, the shard's grad_weight/bias the fp64 reference's over the kept tiles (the shards past the targets'
-    classes skip all or part of theirs)."""
+    classes skip all or part of theirs); with a rescue, the rescued tiles (the hash over the shard's own column
+    blocks) counted N times."""
     from test_weight_grad_filter import _tile_mask
+    from test_weight_grad_filter_rescue import rescue_scale
 
     eps = 0.01
     inputs = make_inputs(BT, H, V)
@@ -340,16 +342,18 @@ def _grad_weight_filter(rank, world):
     y = torch.randint(0, 30, (BT,), generator=torch.Generator().manual_seed(9))  # every target in the first shard
     start, stop = _shard_range(rank, world)
     results = []
-    for filter_eps in (None, eps):
+    for filter_eps, rescue in ((None, None), (eps, None), (eps, 2)):
         x = x_full.clone().requires_grad_()
         w = w_full[start:stop].clone().requires_grad_()
         b = b_full[start:stop].clone().requires_grad_()
         loss = fused_linear_cross_entropy(
-            x, w, y, b, policy=CHUNKS, tp_group=dist.group.WORLD, grad_weight_filter=filter_eps
-        )
+            x, w, y, b, policy=CHUNKS, tp_group=dist.group.WORLD, grad_weight_filter=filter_eps,
+            grad_weight_filter_rescue=rescue,
+        )  # fmt: skip
         results.append((loss.detach(), *torch.autograd.grad(loss, (x, w, b))))
-    (dense_loss, dense_gx, _, _), (loss, gx, gw, gb) = results
+    (dense_loss, dense_gx, _, _), (loss, gx, gw, gb), (rescued_loss, rescued_gx, rescued_gw, rescued_gb) = results
     assert torch.equal(loss, dense_loss) and torch.equal(gx, dense_gx)
+    assert torch.equal(rescued_loss, dense_loss) and torch.equal(rescued_gx, dense_gx)
     logits = (x_full.double() @ w_full.double().T + b_full.double()).requires_grad_()
     (grad,) = torch.autograd.grad(torch.nn.functional.cross_entropy(logits, y), logits)
     p = logits.detach().softmax(-1)
@@ -359,6 +363,10 @@ def _grad_weight_filter(rank, world):
     shard_grad = grad[:, start:stop] * mask
     assert_close(gw, shard_grad.T @ x_full.double(), FP32_TOL, "grad_weight (shard, filtered)")
     assert_close(gb, shard_grad.sum(0), FP32_TOL, "grad_bias (shard, filtered)")
+    scale = rescue_scale(keep[:, start:stop], x_full, chunk=CHUNKS.chunk_size, vocab_chunk=stop - start, rescue=2)
+    rescued_grad = grad[:, start:stop] * scale
+    assert_close(rescued_gw, rescued_grad.T @ x_full.double(), FP32_TOL, "grad_weight (shard, rescued)")
+    assert_close(rescued_gb, rescued_grad.sum(0), FP32_TOL, "grad_bias (shard, rescued)")
 
 
 CHECKS: dict[str, Callable[[int, int], None]] = {
