@@ -84,13 +84,14 @@ class LossOptions:
         ValueError when the call asked for a different accumulator than the one planned: the
         geometry's predicted peak and time assume the planned one.
         """
-        planned_filter = {
-            name: getattr(geometry, name)
-            for name in ("grad_weight_filter", "grad_weight_filter_rescue")
-            if getattr(self, name) is None and getattr(geometry, name) is not None
-        }
-        if planned_filter:
-            return dataclasses.replace(self, **planned_filter).following(geometry)
+        if geometry.grad_weight_filter is not None or geometry.grad_weight_filter_rescue is not None:
+            planned_filter = {
+                name: getattr(geometry, name)
+                for name in ("grad_weight_filter", "grad_weight_filter_rescue")
+                if getattr(self, name) is None and getattr(geometry, name) is not None
+            }
+            if planned_filter:
+                return dataclasses.replace(self, **planned_filter).following(geometry)
         if geometry.accum_dtype is None:
             return self
         planned = getattr(torch, geometry.accum_dtype)
