@@ -29,6 +29,10 @@ Three launches per chunk (and vocab tile):
    read-modify-write). The programs of one column block run side by side (the hidden blocks vary
    fastest), so ``G``'s tiles are read from HBM about once and ``x``'s from L2.
 
+Where so many tiles are kept that the kernel would be slower than cuBLAS (random logits: every tile), the
+chunk's grad_weight runs the dense path's GEMM instead, decided on the host from the listed count (one sync per
+launch; none while a CUDA graph is captured, where the kernel runs).
+
 grad_input is not filtered: the driver keeps it dense.
 """
 
@@ -45,6 +49,7 @@ import triton.language as tl
 
 from flce_policy.plan.weight_filter import DENSE_LOOP_MIN_KEPT, FILTER_COLS, FILTER_ROWS, RESCUE_HASH
 
+from .gemm import accumulate_mm
 from .interpreter import KERNELS_INTERPRETED
 from .tma import TensorDescriptor, tma_tensors
 
@@ -73,6 +78,12 @@ _TMA_LAUNCH = (256, 8, 4)
 #: half of its last block idle. At 4096x896x151936 on the H200, 1.20x cuBLAS's time with every tile kept against
 #: 1.26x, 0.33x against 0.36x with 20% kept (results/2026-12-02-h200-session13/filter-final.log).
 _TMA_LAUNCH_NARROW = (128, 4, 5)
+#: Each launch's time with every tile kept over cuBLAS addmm's (H200): from a kept share of 1 / this on, a chunk's
+#: grad_weight runs cuBLAS's dense GEMM instead (the flags and the lists are paid by then; the kernel's time
+#: grows about linearly with the kept share). Wide TMA 1.02-1.16x at 1024-2048 hidden and 4096-8192 rows (taken
+#: as 1.10), narrow 1.20x at 896 (results/2026-12-02-h200-session13/filter-final.log); the pointer launches
+#: 1.10x, the cost model's figure (results/notes/2026-12-01-h200-filter-probe-4.log).
+_ALL_KEPT_COST = {"tma": 1.10, "tma_narrow": 1.20, "pointer": 1.10}
 #: The rescue hash's constants as the flag kernel's arguments
 _HASH_ARGS = dict(
     HASH_COLUMNS=RESCUE_HASH["columns"],
@@ -446,6 +457,21 @@ def _store_block(
             tl.store(bias_ptr + cols, total_b, mask=col_mask)
 
 
+def _dense_is_faster(
+    counts: torch.Tensor, rescued: torch.Tensor, total: int, rescue: int, all_kept_cost: float
+) -> bool:
+    """Whether cuBLAS's dense GEMM beats the kernel on a launch of ``total`` tiles whose column blocks list
+    ``counts`` tiles, ``rescued`` of them by the rescue (device tensors). Decided on the flagged tiles and the
+    rescue's expected 1/N of the others, not on the tiles the hash drew: the rescue stays unbiased (the dense
+    product is the expectation it estimates). Reads the counts on the host (a sync), except while a CUDA graph is
+    captured (no host read allowed: the kernel runs)."""
+    if counts.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    flagged = int((counts - rescued).sum()) if rescue else int(counts.sum())
+    multiplied = flagged + (total - flagged) / rescue if rescue else flagged
+    return multiplied * all_kept_cost >= total
+
+
 @triton.jit
 def _accumulate(gt, x, acc, IEEE: tl.constexpr):
     """``acc + gt @ x`` (``gt`` a [BLOCK_V, BLOCK_K] tile of G^T)."""
@@ -465,7 +491,8 @@ def filtered_weight_grad(
     first: bool,
     grad_bias: torch.Tensor | None = None,
     rescue: int | None = None,
-) -> None:
+    dense_fallback: bool = True,
+) -> bool:
     """``grad_weight (+)= G.T @ x_chunk`` and ``grad_bias += G.sum(0)`` over the flagged tiles of ``G``, plus,
     with ``rescue`` N, about one in N of the others (chosen by a hash of ``x_chunk``), counted N times.
 
@@ -473,6 +500,10 @@ def filtered_weight_grad(
     row-contiguous; ``first`` overwrites it; None: grad_bias only), ``grad_bias [C]`` fp32, ``scratch``
     holding the flags the finish kernel wrote for ``grad``. Accumulates in fp32 and rounds once per call
     into ``grad_weight``.
+
+    With ``dense_fallback`` (one host read of the kept count), where so many tiles are kept that the kernel would
+    be slower than cuBLAS (:data:`_ALL_KEPT_COST`), every tile is multiplied by the dense path's GEMM instead: the
+    dense call's grad_weight and grad_bias exactly (nothing skipped, nothing rescued). Returns whether it did.
     """
     n_rows, n_cols = grad.shape
     col_blocks = triton.cdiv(n_cols, FILTER_COLS)
@@ -486,11 +517,27 @@ def filtered_weight_grad(
     _list_tiles_kernel[(col_blocks,)](
         kept, tiles, tiles.stride(0), counts, rescued, row_tiles, ROW_TILES=triton.next_power_of_2(row_tiles)
     )
+    hidden = x_chunk.shape[1] if grad_weight is not None else 1
+    tma = tma_tensors(grad, x_chunk)
+    narrow = hidden % _TMA_LAUNCH[0] != 0
+    launch = ("tma_narrow" if narrow else "tma") if tma else "pointer"
+    total = col_blocks * row_tiles
+    cost = _ALL_KEPT_COST[launch]
+    dense = dense_fallback and _dense_is_faster(counts[:col_blocks], rescued[:col_blocks], total, rescue, cost)
     if _observers:
-        count = TileCount(counts[:col_blocks].sum(), col_blocks * row_tiles, rescued[:col_blocks].sum())
+        count = (
+            TileCount(counts.new_tensor(total), total, counts.new_zeros(()))  # every tile multiplied, none scaled
+            if dense
+            else TileCount(counts[:col_blocks].sum(), total, rescued[:col_blocks].sum())
+        )
         for observer in _observers:
             observer.append(count)
-    hidden = x_chunk.shape[1] if grad_weight is not None else 1
+    if dense:
+        if grad_weight is not None:
+            accumulate_mm(grad_weight, grad.t(), x_chunk, first=first)
+        if grad_bias is not None:
+            grad_bias += grad.sum(dim=0, dtype=torch.float32)
+        return True
     launch_args = dict(
         RESCUE=rescue,
         FIRST=first,
@@ -500,8 +547,8 @@ def filtered_weight_grad(
         BLOCK_V=FILTER_COLS,
         BLOCK_K=FILTER_ROWS,
     )
-    if tma_tensors(grad, x_chunk):
-        block_h, num_warps, num_stages = _TMA_LAUNCH if hidden % _TMA_LAUNCH[0] == 0 else _TMA_LAUNCH_NARROW
+    if tma:
+        block_h, num_warps, num_stages = _TMA_LAUNCH_NARROW if narrow else _TMA_LAUNCH
         block_h = min(block_h, max(16, triton.next_power_of_2(hidden)))
         _listed_tma_kernel[(triton.cdiv(hidden, block_h), col_blocks)](
             TensorDescriptor.from_tensor(grad, [FILTER_ROWS, FILTER_COLS]),
@@ -521,8 +568,8 @@ def filtered_weight_grad(
             num_warps=num_warps,
             num_stages=num_stages,
         )
-        return
-    for dense, (block_h, num_warps, num_stages) in _LAUNCHES.items():
+        return False
+    for dense_loop, (block_h, num_warps, num_stages) in _LAUNCHES.items():
         block_h = min(block_h, max(16, triton.next_power_of_2(hidden)))
         _filtered_weight_grad_kernel[(triton.cdiv(hidden, block_h), col_blocks)](
             grad,
@@ -541,9 +588,10 @@ def filtered_weight_grad(
             n_cols,
             hidden,
             DENSE_LOOP_MIN_KEPT,
-            DENSE=dense,
+            DENSE=dense_loop,
             **launch_args,
             BLOCK_H=block_h,
             num_warps=num_warps,
             num_stages=num_stages,
         )
+    return False

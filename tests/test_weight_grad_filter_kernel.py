@@ -13,7 +13,7 @@ import torch
 from test_loss_kernel import DEVICE, rel_err
 
 from flce_policy.kernels.tma import tma_tensors
-from flce_policy.kernels.weight_grad_filter import filter_scratch, filtered_weight_grad
+from flce_policy.kernels.weight_grad_filter import filter_scratch, filtered_weight_grad, observe_tiles
 from flce_policy.plan.weight_filter import FILTER_COLS, FILTER_ROWS, RESCUE_HASH
 
 pytestmark = pytest.mark.skipif(
@@ -69,7 +69,8 @@ def test_two_chunks_against_fp64(hidden, cols, tma, with_weight):
         grad, x, mask = chunk_inputs(seed, hidden, cols)
         assert tma_tensors(grad, x) == tma
         set_flags(scratch, mask, cols)
-        filtered_weight_grad(grad_weight, grad, x, scratch, first=index == 0, grad_bias=grad_bias)
+        # about half the tiles kept: the kernel, not the dense fallback
+        assert not filtered_weight_grad(grad_weight, grad, x, scratch, first=index == 0, grad_bias=grad_bias)
         kept = grad.cpu().double() * expand(mask, cols)
         want_w += kept.T @ x.cpu().double()
         want_b += kept.sum(0)
@@ -78,6 +79,54 @@ def test_two_chunks_against_fp64(hidden, cols, tma, with_weight):
         assert rel_err(grad_weight.cpu().double(), want_w) < TOL
         assert torch.all(grad_weight[FILTER_COLS : 2 * FILTER_COLS] == 0)  # column block 1: nothing kept
     assert rel_err(grad_bias.cpu().double(), want_b) < TOL
+
+
+@pytest.mark.parametrize(
+    ("hidden", "cols", "tma"),
+    [(64, 512, True), (192, 384, True), (60, 512, False)],
+    ids=["tma", "tma-narrow", "pointer"],
+)
+@pytest.mark.parametrize("fallback", [True, False], ids=["dense-fallback", "kernel"])
+def test_every_tile_kept(hidden, cols, tma, fallback):
+    """Nothing to skip: the dense GEMM runs (the kernel would be slower), observed as every tile multiplied; with
+    the fallback off, the kernel multiplies every tile. Either way fp64's full product, over two chunks."""
+    scratch = filter_scratch(ROWS, cols, torch.device(DEVICE))
+    grad_weight = torch.full((cols, hidden), float("nan"), device=DEVICE)
+    grad_bias = torch.zeros(cols, device=DEVICE)
+    want_w = torch.zeros(cols, hidden, dtype=torch.float64)
+    want_b = torch.zeros(cols, dtype=torch.float64)
+    with observe_tiles() as counts:
+        for index, seed in enumerate((0, 1)):
+            grad, x, mask = chunk_inputs(seed, hidden, cols)
+            assert tma_tensors(grad, x) == tma
+            set_flags(scratch, torch.ones_like(mask), cols)
+            ran_dense = filtered_weight_grad(
+                grad_weight, grad, x, scratch, first=index == 0, grad_bias=grad_bias, dense_fallback=fallback
+            )
+            assert ran_dense == fallback
+            want_w += grad.cpu().double().T @ x.cpu().double()
+            want_b += grad.cpu().double().sum(0)
+    assert [int(c.kept) for c in counts] == [c.total for c in counts] == [mask.numel()] * 2
+    assert rel_err(grad_weight.cpu().double(), want_w) < TOL
+    assert rel_err(grad_bias.cpu().double(), want_b) < TOL
+
+
+@pytest.mark.parametrize(
+    ("flagged", "rescue", "dense"),
+    # 12 tiles (3 row tiles x 4 column blocks), the pointer launch (1.10x cuBLAS with every tile kept): dense from
+    # 12 / 1.10 = 10.9 multiplied tiles, counting a rescue's expected 1/N of the unflagged ones
+    [(11, None, True), (10, None, False), (10, 2, True), (10, 16, False)],
+)
+def test_the_dense_fallback_counts_flagged_tiles_and_the_rescue_s_share(flagged, rescue, dense):
+    hidden, cols = 60, 512
+    scratch = filter_scratch(ROWS, cols, torch.device(DEVICE))
+    grad, x, mask = chunk_inputs(0, hidden, cols)
+    mask = torch.arange(mask.numel()).view(mask.shape) < flagged
+    set_flags(scratch, mask, cols)
+    grad_weight = torch.full((cols, hidden), float("nan"), device=DEVICE)
+    assert filtered_weight_grad(grad_weight, grad, x, scratch, first=True, rescue=rescue) == dense
+    if dense:  # every tile, none scaled
+        assert rel_err(grad_weight.cpu().double(), grad.cpu().double().T @ x.cpu().double()) < TOL
 
 
 def test_an_ignored_row_clears_its_flags_in_every_block_of_the_row():

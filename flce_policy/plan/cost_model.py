@@ -18,7 +18,8 @@ Terms (seconds), each traced to measurements on the H200 (results/notes/README.m
   ``filtered_gemm_efficiency`` of the dense rate, plus ``filter_fixed_share`` of it paid whatever is
   kept (listing the kept tiles, writing every block of grad_weight), plus one write and read of the
   per-row flags; with a rescue N (``geometry.grad_weight_filter_rescue``), 1/N of the skipped share is
-  multiplied after all. These are the TMA launch's (Hopper and later); the pointer-based launches that run
+  multiplied after all; the kept share's cost is capped at a dense GEMM's (the kernel hands a chunk with
+  nearly every tile kept to cuBLAS). These are the TMA launch's (Hopper and later); the pointer-based launches that run
   where TMA cannot are slower, not modelled apart;
 - the scaled-exp slab (``geometry.slab_form``): its logits GEMM at ``scaled_exp_gemm_efficiency`` of
   cuBLAS's rate, and the CE kernels one read and one write of the slab (its partials come from the GEMM);
@@ -151,7 +152,8 @@ def predict_seconds(
         # the scaled-exp slab's logits GEMM (its epilogue) over cuBLAS's
         "scaled_exp_epilogue": one_gemm * (1.0 / rates.scaled_exp_gemm_efficiency - 1.0) if scaled_exp else 0.0,
         # the filtered grad_weight GEMM, and its flags: one byte per row and 128 classes, written and read
-        "grad_weight_filtered": one_gemm * (rates.filter_fixed_share + kept / rates.filtered_gemm_efficiency)
+        # (where the kernel would be slower than cuBLAS, nearly every tile kept, the dense GEMM runs instead)
+        "grad_weight_filtered": one_gemm * (rates.filter_fixed_share + min(kept / rates.filtered_gemm_efficiency, 1.0))
         + 2 * p.tokens * p.vocab / FILTER_COLS / hbm
         if filtered
         else 0.0,
