@@ -460,6 +460,8 @@ ALL_NAMES = [
     "ours_scaled_exp_rows_fp32",
     *(f"ours_filter{n}_bf16" for n in (12, 13, 14, 16)),
     "ours_filter12_rescue16_bf16",
+    "ours_filter14_rescue16_bf16",
+    "ours_filter14_rescue4_bf16",
     "quack",
     "cce",
     "cce_nofilter",

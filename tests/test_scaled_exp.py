@@ -181,6 +181,32 @@ def test_grad_weight_filter_leaves_grad_input_alone(accum_dtype, form):
     assert not torch.equal(filtered[2]["w"], dense[2]["w"])
 
 
+@pytest.mark.parametrize("form", FORMS)
+def test_grad_weight_filter_flags_against_fp64(form):
+    """The flags of either form (the row-scaled one's from its GEMM's per-half-tile row maxima) keep the tiles the
+    fp64 rule keeps, counted exactly, and grad_weight is fp64's over them. Classes made rare by a constant feature
+    (the rows form takes no bias), targets in the first 100 classes: some tiles are kept for their maxima alone."""
+    from test_weight_grad_filter import _tile_mask, _tiles_kept
+
+    eps = 2.0**-8
+    t = inputs(seed=5)
+    t["x"][:, 0] = 1.0
+    t["w"][:, 0] = torch.linspace(4.0, -12.0, V).to(torch.bfloat16)
+    t["y"] = torch.where(t["y"] == -100, -100, t["y"] % 100)
+    with observe_tiles() as counts:
+        filtered = run(t, geometry(form), grad_weight_filter=eps)
+    z = F.linear(t["x"].double(), t["w"].double()).requires_grad_()
+    (grad,) = torch.autograd.grad(F.cross_entropy(z, t["y"]), z)
+    valid = t["y"] != -100
+    deviation = (z.detach().softmax(-1) - F.one_hot(t["y"].clamp_min(0), V).double() * valid[:, None]).abs()
+    keep = ((deviation >= eps) | (grad < 0)) & valid[:, None]  # (grad < 0: the target)
+    kept_tiles = _tiles_kept(keep, CHUNK, V)[0]
+    assert 3 < int(kept_tiles[:, 1:].sum()) < kept_tiles[:, 1:].numel()  # kept for their maxima, and skipped
+    assert sum(int(c.kept) for c in counts) == int(kept_tiles.sum())
+    want = (grad * _tile_mask(keep, CHUNK, V)).T @ t["x"].double()
+    assert rel_l2(filtered[2]["w"], want) < GRAD_TOL
+
+
 def test_softcap_call_runs_the_logits_slab():
     t = inputs(seed=6)
     asked = run(t, geometry("scaled_exp"), softcap=10.0)
