@@ -14,7 +14,8 @@
 # random logits; convergence: the model trained with grad_weight_filter off and on, alternating, CONVERGENCE_RUNS_PER_ARM (2) each,
 # CONVERGENCE_STEPS steps each, at CONVERGENCE_FILTER (default 2**-12), with CONVERGENCE_RESCUE's rescue if set)
 # Expects wheels in .whl/ (ours, built with `python -m build --wheel -o .whl`, plus the peers
-# liger-kernel and cut-cross-entropy); installs them into /tmp/site and runs from outside the
+# liger-kernel and cut-cross-entropy, and pydantic's wheels where the machine lacks it: README's Notes); installs
+# them into /tmp/site and runs from outside the
 # checkout so the installed package (with its package-dir mapping) is what gets imported.
 set -uo pipefail
 repo=$(pwd)
