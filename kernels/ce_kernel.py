@@ -390,7 +390,8 @@ def _ce_finish_kernel(
                 coef_y = 0.0
             if ROW_SCALED and FILTER:
                 # no pass over a row-scaled slab (the GEMMs scale its rows): a filter's flags from the row maxima
-                # of z per half tile that the GEMM's epilogue wrote; off the target p_c >= eps is z_c - lse >= log(eps)
+                # of exp(z - m) per half tile that the GEMM's epilogue wrote (m the row's shift): p = that times
+                # exp(m - lse)
                 tl.static_assert(SCALED_EXP_TILE == 2 * FLAG_COLS, "two flags per partial slot")
                 # all the row's slots in one vector per half (one finish program per row): a loop over blocks of
                 # 32 flags was latency-bound, ~40 us per 4096-row chunk at 151936 classes (H200, session 15)
@@ -398,8 +399,8 @@ def _ce_finish_kernel(
                 for half in tl.static_range(2):
                     group = 2 * slot + half
                     inside = (group * FLAG_COLS >= col_start) & (group * FLAG_COLS < col_stop)
-                    z_max = tl.load(partials_ptr + (2 + half) * plane + row * NUM_SLOTS + slot, mask=inside, other=0.0)
-                    keep = (z_max - lse >= filter_log_eps) | (group == local_target // FLAG_COLS)
+                    e_max = tl.load(partials_ptr + (2 + half) * plane + row * NUM_SLOTS + slot, mask=inside, other=0.0)
+                    keep = (e_max * tl.exp(m - lse) >= filter_eps) | (group == local_target // FLAG_COLS)
                     tl.store(flags_ptr + row * flag_row_stride + group, keep.to(tl.uint8), mask=inside)
             if not ROW_SCALED:
                 for start in range(col_start, col_stop, BLOCK_V):

@@ -154,14 +154,6 @@ def _scaled_exp_gemm_kernel(
         if ROW_SHIFT:
             # exp(z - z_y) per row (+inf where ignored: zeros); the overflow check is on the row sums below
             m = tl.load(shift_ptr + rows, mask=row_ok, other=float("inf"))
-            if FLAG_MAXIMA:
-                # a grad_weight filter's inputs: each half's row maxima (the filter's columns are half a tile), in
-                # the smoothing planes, which the row-scaled form leaves unused; the CE finish flags from them
-                # (one max over the tile split in two rather than two masked maxima: one pass over the registers;
-                # no difference in time resolved on the H200, session 15)
-                lower_max, upper_max = tl.split(tl.max(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), axis=2))
-                tl.store(partials_ptr + 2 * plane + slot, lower_max, mask=row_ok)
-                tl.store(partials_ptr + 3 * plane + slot, upper_max, mask=row_ok)
         else:
             m = tl.max(acc, axis=1)
         # one FMA and one exp2 per element: the epilogue's share of the GEMM is what the small heads pay over
@@ -175,6 +167,14 @@ def _scaled_exp_gemm_kernel(
             else:  # past V, e = 0 and z = -inf: a floor on z makes 0 * z a 0 without the column mask live (spills)
                 tl.store(partials_ptr + 6 * plane + slot, tl.sum(e * tl.maximum(acc, -3.0e38), axis=1), mask=row_ok)
         tile_sum = tl.sum(e, axis=1)
+        if ROW_SHIFT and FLAG_MAXIMA:
+            # a grad_weight filter's inputs: each half's row maxima of exp(z - z_y) (the filter's columns are half a
+            # tile), in the smoothing planes, which the row-scaled form leaves unused; the CE finish flags from them.
+            # Taken from e, where the accumulator is no longer live: from z beside it (masked past V) the epilogue
+            # spilled registers (V not a multiple of 256; ptxas via Triton 3.9 for sm_90, session 15)
+            lower_max, upper_max = tl.split(tl.max(tl.reshape(e, (BLOCK_M, 2, BLOCK_N // 2)), axis=2))
+            tl.store(partials_ptr + 2 * plane + slot, lower_max, mask=row_ok)
+            tl.store(partials_ptr + 3 * plane + slot, upper_max, mask=row_ok)
         if ROW_SHIFT:
             # a row whose logits lie more than SHIFT_LIMIT above its target's: the chunk is redone per tile
             over = tile_sum > _SHIFT_LIMIT_EXP
@@ -236,8 +236,8 @@ def scaled_exp_logits(
     the row's shift, and the workspace's redo flag set where a row's logits lie more than :data:`SHIFT_LIMIT`
     above its target's. ``redo``: the per-tile form again, over the same chunk, only where that flag is set
     (no tiles otherwise; the target logits are kept). ``flag_maxima`` (row-scaled only): each half tile's row
-    maxima of ``z`` too, for a grad_weight filter's flags (:func:`.ce_kernel.ce_finish`). Nothing is checked
-    here: a geometry has this slab form only where :mod:`flce_policy.plan.scaled_exp` says it can run."""
+    maxima of ``exp(z - z_y)`` too, for a grad_weight filter's flags (:func:`.ce_kernel.ce_finish`). Nothing is
+    checked here: a geometry has this slab form only where :mod:`flce_policy.plan.scaled_exp` says it can run."""
     n_rows, hidden = x_chunk.shape
     n_cols = weight.shape[0]
     block_m, block_n, block_k, group_m, num_warps, num_stages = _LAUNCH
