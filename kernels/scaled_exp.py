@@ -170,8 +170,9 @@ def _scaled_exp_gemm_kernel(
         if ROW_SHIFT and FLAG_MAXIMA:
             # a grad_weight filter's inputs: each half's row maxima of exp(z - z_y) (the filter's columns are half a
             # tile), in the smoothing planes, which the row-scaled form leaves unused; the CE finish flags from them.
-            # Taken from e, where the accumulator is no longer live: from z beside it (masked past V) the epilogue
-            # spilled registers (V not a multiple of 256; ptxas via Triton 3.9 for sm_90, session 15)
+            # Taken from e, where the accumulator is no longer live: from z beside it the epilogue needed 252
+            # registers against 181 (Triton 3.6, sm_90, V a multiple of 256) and Triton 3.9 spilled where V is not
+            # (results/notes/2026-12-02-sm90-register-check*; not timed)
             lower_max, upper_max = tl.split(tl.max(tl.reshape(e, (BLOCK_M, 2, BLOCK_N // 2)), axis=2))
             tl.store(partials_ptr + 2 * plane + slot, lower_max, mask=row_ok)
             tl.store(partials_ptr + 3 * plane + slot, upper_max, mask=row_ok)
