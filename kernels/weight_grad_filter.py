@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flce_policy.plan.weight_filter import DENSE_LOOP_MIN_KEPT, FILTER_COLS, FILTER_ROWS, RESCUE_HASH
+from flce_policy.plan.weight_filter import ALL_KEPT_COST, DENSE_LOOP_MIN_KEPT, FILTER_COLS, FILTER_ROWS, RESCUE_HASH
 
 from .gemm import accumulate_mm
 from .interpreter import KERNELS_INTERPRETED
@@ -78,12 +78,6 @@ _TMA_LAUNCH = (256, 8, 4)
 #: half of its last block idle. At 4096x896x151936 on the H200, 1.20x cuBLAS's time with every tile kept against
 #: 1.26x, 0.33x against 0.36x with 20% kept (results/2026-12-02-h200-session13/filter-final.log).
 _TMA_LAUNCH_NARROW = (128, 4, 5)
-#: Each launch's time with every tile kept over cuBLAS addmm's (H200): from a kept share of 1 / this on, a chunk's
-#: grad_weight runs cuBLAS's dense GEMM instead (the flags and the lists are paid by then; the kernel's time
-#: grows about linearly with the kept share). Wide TMA 1.02-1.16x at 1024-2048 hidden and 4096-8192 rows (taken
-#: as 1.10), narrow 1.20x at 896 (results/2026-12-02-h200-session13/filter-final.log); the pointer launches
-#: 1.10x, the cost model's figure (results/notes/2026-12-01-h200-filter-probe-4.log).
-_ALL_KEPT_COST = {"tma": 1.10, "tma_narrow": 1.20, "pointer": 1.10}
 #: The rescue hash's constants as the flag kernel's arguments
 _HASH_ARGS = dict(
     HASH_COLUMNS=RESCUE_HASH["columns"],
@@ -502,8 +496,9 @@ def filtered_weight_grad(
     into ``grad_weight``.
 
     With ``dense_fallback`` (one host read of the kept count), where so many tiles are kept that the kernel would
-    be slower than cuBLAS (:data:`_ALL_KEPT_COST`), every tile is multiplied by the dense path's GEMM instead: the
-    dense call's grad_weight and grad_bias exactly (nothing skipped, nothing rescued). Returns whether it did.
+    be slower than cuBLAS (``ALL_KEPT_COST`` of :mod:`flce_policy.plan.weight_filter`), every tile is multiplied
+    by the dense path's GEMM instead: the dense call's grad_weight and grad_bias exactly (nothing skipped, nothing
+    rescued). Returns whether it did.
     """
     n_rows, n_cols = grad.shape
     col_blocks = triton.cdiv(n_cols, FILTER_COLS)
@@ -522,7 +517,7 @@ def filtered_weight_grad(
     narrow = hidden % _TMA_LAUNCH[0] != 0
     launch = ("tma_narrow" if narrow else "tma") if tma else "pointer"
     total = col_blocks * row_tiles
-    cost = _ALL_KEPT_COST[launch]
+    cost = ALL_KEPT_COST[launch]
     dense = dense_fallback and _dense_is_faster(counts[:col_blocks], rescued[:col_blocks], total, rescue, cost)
     if _observers:
         count = (

@@ -46,7 +46,7 @@ from flce_policy.plan.collectives import comm_plan
 from flce_policy.plan.device import DeviceInfo
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.scaled_exp import is_scaled_exp
-from flce_policy.plan.weight_filter import FILTER_COLS
+from flce_policy.plan.weight_filter import ALL_KEPT_COST, FILTER_COLS
 
 __all__ = [
     "DeviceRates",
@@ -153,7 +153,11 @@ def predict_seconds(
         "scaled_exp_epilogue": one_gemm * (1.0 / rates.scaled_exp_gemm_efficiency - 1.0) if scaled_exp else 0.0,
         # the filtered grad_weight GEMM, and its flags: one byte per row and 128 classes, written and read
         # (where the kernel would be slower than cuBLAS, nearly every tile kept, the dense GEMM runs instead)
-        "grad_weight_filtered": one_gemm * (rates.filter_fixed_share + min(kept / rates.filtered_gemm_efficiency, 1.0))
+        "grad_weight_filtered": one_gemm
+        * (
+            rates.filter_fixed_share
+            + (1.0 if kept * ALL_KEPT_COST["tma"] >= 1.0 else kept / rates.filtered_gemm_efficiency)
+        )
         + 2 * p.tokens * p.vocab / FILTER_COLS / hbm
         if filtered
         else 0.0,

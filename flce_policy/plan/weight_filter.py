@@ -19,6 +19,7 @@ import re
 from typing import Any
 
 __all__ = [
+    "ALL_KEPT_COST",
     "DENSE_LOOP_MIN_KEPT",
     "FILTER_COLS",
     "FILTER_ROWS",
@@ -37,6 +38,13 @@ FILTER_ROWS = 64
 #: tile, the skipped ones' loads masked off) rather than its listed loop (kept tiles only, but about
 #: 1.8x slower per tile on the H200: the loop loads its row indices; results/notes/2026-12-01-h200-filter-probe-2.log).
 DENSE_LOOP_MIN_KEPT = 0.5
+#: Each launch of the filtered kernel (kernels.weight_grad_filter): its time with every tile kept over cuBLAS
+#: addmm's (H200). From a kept share of 1 / this on, a chunk's grad_weight runs cuBLAS's dense GEMM instead (the
+#: flags and the lists are paid by then; the kernel's time grows about linearly with the kept share); the cost
+#: model caps its filtered term there too. Wide TMA 1.02-1.16x at 1024-2048 hidden and 4096-8192 rows (taken as
+#: 1.10), narrow 1.20x at 896 (results/2026-12-02-h200-session13/filter-final.log); the pointer launches 1.10x
+#: (results/notes/2026-12-01-h200-filter-probe-4.log).
+ALL_KEPT_COST = {"tma": 1.10, "tma_narrow": 1.20, "pointer": 1.10}
 #: The largest ``grad_weight_filter_rescue``: one skipped tile in 65536 is as good as none.
 MAX_RESCUE = 2**16
 #: The rescue's hash (kernels.weight_grad_filter computes it; tests state it in torch). ``columns`` of x per
