@@ -35,7 +35,7 @@ from .gemm import accumulate_mm
 from .scaled_exp import scaled_exp_logits
 from .target_grad import TargetTerms
 from .vocab_tiled import run_vocab_tiled
-from .weight_grad_filter import filter_scratch_for, filtered_weight_grad
+from .weight_grad_filter import filter_scratch_for, filtered_weight_grad, flag_tiles
 
 # The call and event types and the test hooks live below both drivers (driver_call); re-exported as the driver's API.
 __all__ = [
@@ -183,6 +183,8 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
                 redo=redo,
                 **chunk_rows,
             )
+        # the filter's tile count, queued now: the host reads it while the GPU runs the grad_input GEMM
+        flagged = None if scratch is None else flag_tiles(scratch, stop - start, logits.shape[1])
         # a scaled-exp slab's gradient lacks the target's one-hot term: added beside the GEMMs (target_grad)
         target_terms = (
             TargetTerms(target[start:stop], workspace, params.ignore_index) if scaled_exp and grads.any else None
@@ -209,6 +211,7 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
                 first=index == 0,
                 grad_bias=grad_bias,
                 rescue=params.grad_weight_filter_rescue,
+                flagged=flagged,
             )
         elif grad_weight is not None:
             # The first chunk overwrites (beta=0): no zero-fill of a parameter-sized buffer.

@@ -19,7 +19,7 @@ from .ce_kernel import ce_finish, ce_partial, ce_workspace
 from .driver_call import ChunkEvent, DriverCall, DriverOutputs, _fault_hooks, _observers, before_chunk, notify
 from .gemm import accumulate_mm
 from .input_accumulator import InputAccumulator
-from .weight_grad_filter import filter_scratch_for, filtered_weight_grad
+from .weight_grad_filter import FlaggedTiles, filter_scratch_for, filtered_weight_grad, flag_tiles
 
 __all__ = ["run_vocab_tiled"]
 
@@ -144,10 +144,14 @@ class _TiledRun:
         )
         for tile_index, (start, stop) in enumerate(self.tiles):
             tile = self.grad_tile(x_chunk, target_chunk, loss_rows, finish, start, stop, write_loss=tile_index == 0)
+            # the filter's tile count, queued now: the host reads it while the GPU runs the grad_input GEMM
+            flagged = (
+                None if self.filter is None or tile_index >= self.first_late else flag_tiles(self.filter, *tile.shape)
+            )
             if accumulator is not None:
                 accumulator.add(tile, self.weight[start:stop], first=tile_index == 0)
             if tile_index < self.first_late:
-                self.weight_grad(tile, x_chunk, start, stop, first=first_chunk)
+                self.weight_grad(tile, x_chunk, start, stop, first=first_chunk, flagged=flagged)
             if grad_bias is not None and self.filter is None:
                 grad_bias[start:stop] += tile.sum(dim=0, dtype=torch.float32)
         if accumulator is not None:
@@ -162,7 +166,16 @@ class _TiledRun:
                 tile = self.grad_tile(x_chunk, target_chunk, loss_rows, finish, start, stop, write_loss=False)
                 self.weight_grad(tile, x_chunk, start, stop, first=True)
 
-    def weight_grad(self, tile: torch.Tensor, x_chunk: torch.Tensor, start: int, stop: int, *, first: bool) -> None:
+    def weight_grad(
+        self,
+        tile: torch.Tensor,
+        x_chunk: torch.Tensor,
+        start: int,
+        stop: int,
+        *,
+        first: bool,
+        flagged: FlaggedTiles | None = None,
+    ) -> None:
         """A tile's share of grad_weight (cuBLAS); with the filter, of grad_weight and grad_bias (its kernel)."""
         grad_weight, grad_bias = self.outputs.grad_weight, self.outputs.grad_bias
         if self.filter is not None:
@@ -174,6 +187,7 @@ class _TiledRun:
                 first=first,
                 grad_bias=None if grad_bias is None else grad_bias[start:stop],
                 rescue=self.params.grad_weight_filter_rescue,
+                flagged=flagged,
             )
         elif grad_weight is not None:
             accumulate_mm(grad_weight[start:stop], tile.t(), x_chunk, first=first)

@@ -50,6 +50,7 @@ import triton.language as tl
 from flce_policy.plan.weight_filter import ALL_KEPT_COST, DENSE_LOOP_MIN_KEPT, FILTER_COLS, FILTER_ROWS, RESCUE_HASH
 
 from .gemm import accumulate_mm
+from .host_read import HostRead
 from .interpreter import KERNELS_INTERPRETED
 from .tma import TensorDescriptor, tma_tensors
 
@@ -59,10 +60,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FilterScratch",
+    "FlaggedTiles",
     "TileCount",
     "filter_scratch",
     "filter_scratch_for",
     "filtered_weight_grad",
+    "flag_tiles",
     "finish_kernel_args",
     "observe_tiles",
     "store_flags",
@@ -451,19 +454,50 @@ def _store_block(
             tl.store(bias_ptr + cols, total_b, mask=col_mask)
 
 
-def _dense_is_faster(
-    counts: torch.Tensor, rescued: torch.Tensor, total: int, rescue: int, all_kept_cost: float
-) -> bool:
-    """Whether cuBLAS's dense GEMM beats the kernel on a launch of ``total`` tiles whose column blocks list
-    ``counts`` tiles, ``rescued`` of them by the rescue (device tensors). Decided on the flagged tiles and the
-    rescue's expected 1/N of the others, not on the tiles the hash drew: the rescue stays unbiased (the dense
-    product is the expectation it estimates). Reads the counts on the host (a sync), except while a CUDA graph is
-    captured (no host read allowed: the kernel runs)."""
-    if counts.is_cuda and torch.cuda.is_current_stream_capturing():
-        return False
-    flagged = int((counts - rescued).sum()) if rescue else int(counts.sum())
-    multiplied = flagged + (total - flagged) / rescue if rescue else flagged
-    return multiplied * all_kept_cost >= total
+class FlaggedTiles:
+    """A chunk's flagged tiles, counted (rescue aside) and on their way to the host: :func:`flag_tiles`."""
+
+    __slots__ = ("n_rows", "n_cols", "_count")
+
+    def __init__(self, n_rows: int, n_cols: int, count: HostRead | None) -> None:
+        self.n_rows, self.n_cols, self._count = n_rows, n_cols, count
+
+    def dense_is_faster(self, rescue: int, all_kept_cost: float) -> bool:
+        """Whether cuBLAS's dense GEMM beats the kernel: decided on the flagged tiles and the rescue's expected 1/N
+        of the others, not on the tiles the hash draws (the rescue stays unbiased: the dense product is the
+        expectation it estimates). False (the kernel) where nothing was counted (a CUDA graph being captured)."""
+        if self._count is None:
+            return False
+        total = triton.cdiv(self.n_rows, FILTER_ROWS) * triton.cdiv(self.n_cols, FILTER_COLS)
+        flagged = int(self._count.wait()[0])
+        multiplied = flagged + (total - flagged) / rescue if rescue else flagged
+        return multiplied * all_kept_cost >= total
+
+
+def flag_tiles(scratch: FilterScratch, n_rows: int, n_cols: int, *, count: bool = True) -> FlaggedTiles:
+    """Which tiles of an ``[n_rows, n_cols]`` slab of dL/dlogits the flags keep (``scratch.kept``, 1 or 0) and,
+    with ``count``, their number queued for the host (no sync; none while a CUDA graph is captured).
+
+    Queue it as soon as the CE finish has written the flags and hand the result to :func:`filtered_weight_grad`
+    after the grad_input GEMM is queued: the host waits for the count while the GPU runs that GEMM."""
+    flags, _, _, kept, _ = scratch
+    row_tiles, col_blocks = triton.cdiv(n_rows, FILTER_ROWS), triton.cdiv(n_cols, FILTER_COLS)
+    _launch_tile_flags(scratch, None, n_rows, col_blocks, 0)
+    capturing = flags.is_cuda and torch.cuda.is_current_stream_capturing()
+    counted = None if capturing or not count else kept[:col_blocks, :row_tiles].sum(dtype=torch.int32).reshape(1)
+    return FlaggedTiles(n_rows, n_cols, None if counted is None else HostRead(counted, "filter count"))
+
+
+def _launch_tile_flags(
+    scratch: FilterScratch, x_chunk: torch.Tensor | None, n_rows: int, col_blocks: int, rescue: int
+) -> None:
+    """``scratch.kept`` from the flags (and with ``rescue``, the hash of ``x_chunk``)."""
+    flags, _, _, kept, _ = scratch
+    x = flags if x_chunk is None else x_chunk  # not read without a rescue
+    _tile_flags_kernel[(triton.cdiv(n_rows, FILTER_ROWS), triton.cdiv(col_blocks, _FLAG_BLOCKS))](
+        flags, flags.stride(0), kept, kept.stride(0), x, x.stride(0), x.shape[1], n_rows, col_blocks,
+        BLOCK_K=FILTER_ROWS, BLOCK_C=_FLAG_BLOCKS, RESCUE=rescue, **_HASH_ARGS,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -486,6 +520,7 @@ def filtered_weight_grad(
     grad_bias: torch.Tensor | None = None,
     rescue: int | None = None,
     dense_fallback: bool = True,
+    flagged: FlaggedTiles | None = None,
 ) -> bool:
     """``grad_weight (+)= G.T @ x_chunk`` and ``grad_bias += G.sum(0)`` over the flagged tiles of ``G``, plus,
     with ``rescue`` N, about one in N of the others (chosen by a hash of ``x_chunk``), counted N times.
@@ -498,27 +533,30 @@ def filtered_weight_grad(
     With ``dense_fallback`` (one host read of the kept count), where so many tiles are kept that the kernel would
     be slower than cuBLAS (``ALL_KEPT_COST`` of :mod:`flce_policy.plan.weight_filter`), every tile is multiplied
     by the dense path's GEMM instead: the dense call's grad_weight and grad_bias exactly (nothing skipped, nothing
-    rescued). Returns whether it did.
+    rescued). Returns whether it did. ``flagged``: :func:`flag_tiles`'s result for ``grad``, queued earlier so
+    that the host read overlaps other work (without it the flags are read here, a wait for the GPU's queue).
     """
     n_rows, n_cols = grad.shape
     col_blocks = triton.cdiv(n_cols, FILTER_COLS)
-    flags, tiles, counts, kept, rescued = scratch
+    _, tiles, counts, kept, rescued = scratch
     row_tiles = triton.cdiv(n_rows, FILTER_ROWS)
     rescue = rescue or 0
-    _tile_flags_kernel[(row_tiles, triton.cdiv(col_blocks, _FLAG_BLOCKS))](
-        flags, flags.stride(0), kept, kept.stride(0), x_chunk, x_chunk.stride(0), x_chunk.shape[1], n_rows, col_blocks,
-        BLOCK_K=FILTER_ROWS, BLOCK_C=_FLAG_BLOCKS, RESCUE=rescue, **_HASH_ARGS,
-    )  # fmt: skip
-    _list_tiles_kernel[(col_blocks,)](
-        kept, tiles, tiles.stride(0), counts, rescued, row_tiles, ROW_TILES=triton.next_power_of_2(row_tiles)
-    )
+    if flagged is None:
+        flagged = flag_tiles(scratch, n_rows, n_cols, count=dense_fallback)
+    elif (flagged.n_rows, flagged.n_cols) != (n_rows, n_cols):
+        raise ValueError(f"tiles flagged for a {flagged.n_rows}x{flagged.n_cols} slab, not this {n_rows}x{n_cols} one")
     hidden = x_chunk.shape[1] if grad_weight is not None else 1
     tma = tma_tensors(grad, x_chunk)
     narrow = hidden % _TMA_LAUNCH[0] != 0
     launch = ("tma_narrow" if narrow else "tma") if tma else "pointer"
     total = col_blocks * row_tiles
-    cost = ALL_KEPT_COST[launch]
-    dense = dense_fallback and _dense_is_faster(counts[:col_blocks], rescued[:col_blocks], total, rescue, cost)
+    dense = dense_fallback and flagged.dense_is_faster(rescue, ALL_KEPT_COST[launch])
+    if not dense:
+        if rescue:  # the kept tiles again, now with the rescue's (the hash reads x_chunk, final only now)
+            _launch_tile_flags(scratch, x_chunk, n_rows, col_blocks, rescue)
+        _list_tiles_kernel[(col_blocks,)](
+            kept, tiles, tiles.stride(0), counts, rescued, row_tiles, ROW_TILES=triton.next_power_of_2(row_tiles)
+        )
     if _observers:
         count = (
             TileCount(counts.new_tensor(total), total, counts.new_zeros(()))  # every tile multiplied, none scaled

@@ -13,7 +13,7 @@ import torch
 from test_loss_kernel import DEVICE, rel_err
 
 from flce_policy.kernels.tma import tma_tensors
-from flce_policy.kernels.weight_grad_filter import filter_scratch, filtered_weight_grad, observe_tiles
+from flce_policy.kernels.weight_grad_filter import filter_scratch, filtered_weight_grad, flag_tiles, observe_tiles
 from flce_policy.plan.weight_filter import FILTER_COLS, FILTER_ROWS, RESCUE_HASH
 
 pytestmark = pytest.mark.skipif(
@@ -127,6 +127,44 @@ def test_the_dense_fallback_counts_flagged_tiles_and_the_rescue_s_share(flagged,
     assert filtered_weight_grad(grad_weight, grad, x, scratch, first=True, rescue=rescue) == dense
     if dense:  # every tile, none scaled
         assert rel_err(grad_weight.cpu().double(), grad.cpu().double().T @ x.cpu().double()) < TOL
+
+
+@pytest.mark.parametrize(
+    ("flagged", "rescue", "dense"), [(11, None, True), (4, None, False), (10, 2, True), (4, 2, False)]
+)
+def test_tiles_flagged_ahead_decide_and_multiply_as_flagged_in_the_call(flagged, rescue, dense):
+    """The driver queues :func:`flag_tiles` before the grad_input GEMM and hands its count over: the same dense
+    decision and the same grad_weight bit for bit as flags read inside the call, the rescue's included."""
+    hidden, cols = 60, 512
+    grad, x, mask = chunk_inputs(0, hidden, cols)
+    mask = torch.arange(mask.numel()).view(mask.shape) < flagged
+    results = []
+    for ahead in (False, True):
+        scratch = filter_scratch(ROWS, cols, torch.device(DEVICE))
+        set_flags(scratch, mask, cols)
+        early = flag_tiles(scratch, ROWS, cols) if ahead else None
+        grad_weight = torch.full((cols, hidden), float("nan"), device=DEVICE)
+        ran_dense = filtered_weight_grad(grad_weight, grad, x, scratch, first=True, rescue=rescue, flagged=early)
+        assert ran_dense == dense
+        results.append(grad_weight)
+    assert torch.equal(results[0], results[1])
+    if not dense:  # the kernel kept the flagged tiles (and with a rescue, the hash's)
+        state = rescue_state(mask, x, rescue) if rescue else mask.to(torch.uint8)
+        scale = torch.where(state == 2, float(rescue or 1), (state == 1).double())
+        want = (grad.cpu().double() * expand(scale, cols)).T @ x.cpu().double()
+        assert rel_err(results[1].cpu().double(), want) < TOL
+
+
+def test_tiles_flagged_for_another_slab_are_refused():
+    hidden, cols = 60, 512
+    grad, x, mask = chunk_inputs(0, hidden, cols)
+    scratch = filter_scratch(ROWS, cols, torch.device(DEVICE))
+    set_flags(scratch, mask, cols)
+    early = flag_tiles(scratch, ROWS - 64, cols)
+    with pytest.raises(ValueError, match=r"tiles flagged for a 86x512 slab, not this 150x512 one"):
+        filtered_weight_grad(
+            None, grad, x, scratch, first=True, grad_bias=torch.zeros(cols, device=DEVICE), flagged=early
+        )
 
 
 def test_an_ignored_row_clears_its_flags_in_every_block_of_the_row():

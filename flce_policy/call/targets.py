@@ -22,10 +22,9 @@ are NaN and ``poison``, which the loss adds, is NaN (never a plausible wrong los
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
+from flce_policy.kernels.host_read import HostRead
 from flce_policy.kernels.safe_targets import GRAD_SCALES, META_BAD, META_POISON, empty_meta, prepare_targets_
 
 __all__ = ["TargetCheck", "check_target_range", "poisoned_targets", "start_target_check"]
@@ -38,7 +37,7 @@ class TargetCheck:
     """
 
     __slots__ = (
-        "_flag", "_ready", "_safe", "_target", "_vocab", "_ignore_index", "_class_weight", "_mean", "_host_check",
+        "_flag", "_safe", "_target", "_vocab", "_ignore_index", "_class_weight", "_mean", "_host_check",
         "_queued", "meta", "poison",
     )  # fmt: skip
 
@@ -56,8 +55,7 @@ class TargetCheck:
         self._target, self._vocab, self._ignore_index = target, vocab, ignore_index
         self._class_weight, self._mean, self._host_check = class_weight, mean, host_check
         self._safe, self.meta = torch.empty_like(target), empty_meta(target.device)
-        self._ready: torch.cuda.Event | None = None
-        self._flag: torch.Tensor | None = None
+        self._flag: HostRead | None = None
         #: 0-dim fp32, NaN if a row was bad (``host_check=False`` only; the scales are NaN then too).
         self.poison: torch.Tensor | None = None if host_check else self.meta[META_POISON]
         self._queued = False
@@ -76,12 +74,7 @@ class TargetCheck:
         )  # fmt: skip
         if not self._host_check:
             return
-        if target.is_cuda:
-            self._flag, self._ready = _host_flag(target.device)
-            self._flag.copy_(self.meta[META_BAD : META_BAD + 1], non_blocking=True)  # filled when the GPU gets there
-            self._ready.record(torch.cuda.current_stream(target.device))
-        else:
-            self._flag = self.meta[META_BAD : META_BAD + 1]
+        self._flag = HostRead(self.meta[META_BAD : META_BAD + 1], "target check")  # filled when the GPU gets there
 
     @property
     def queued(self) -> bool:
@@ -111,27 +104,12 @@ class TargetCheck:
         self.queue()
         if self._flag is None:
             return
-        if self._ready is not None:
-            self._ready.synchronize()
-        if self._flag.item():
+        if self._flag.wait().item():
             # the rows the kernel changed are the bad ones (a bad index is never ignore_index)
             first = self._target[self._safe != self._target][0].item()
             raise ValueError(
                 f"target holds index {first}, outside [0, V={self._vocab}) and not ignore_index={self._ignore_index}"
             )
-
-
-_flags = threading.local()
-
-
-def _host_flag(device: torch.device) -> tuple[torch.Tensor, torch.cuda.Event]:
-    """This thread's pinned one-element flag and event for ``device``, made once (a pinned allocation costs
-    more than the whole check). A call finishes its check before the next one in the thread starts."""
-    cache = _flags.__dict__.setdefault("by_device", {})
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in cache:
-        cache[index] = (torch.zeros(1, dtype=torch.float32, pin_memory=True), torch.cuda.Event())
-    return cache[index]
 
 
 def start_target_check(
