@@ -30,8 +30,9 @@ Three launches per chunk (and vocab tile):
    fastest), so ``G``'s tiles are read from HBM about once and ``x``'s from L2.
 
 Where so many tiles are kept that the kernel would be slower than cuBLAS (random logits: every tile), the
-chunk's grad_weight runs the dense path's GEMM instead, decided on the host from the listed count (one sync per
-launch; none while a CUDA graph is captured, where the kernel runs).
+chunk's grad_weight runs the dense path's GEMM instead, decided on the host from the flagged count. The driver
+queues the count (:func:`flag_tiles`) before its grad_input GEMM and reads it after that GEMM is queued, so the host
+waits for the count, not for the GPU's queue; nothing is read while a CUDA graph is captured (the kernel runs).
 
 grad_input is not filtered: the driver keeps it dense.
 """
