@@ -11,7 +11,7 @@
 # with DeepSpeed's wheels in .whl/ds/ — see docs/fsdp-zero3.md; trained: train the small Llama of
 # benchmarks/trained_inputs.py, report its logits, then bench issue 26's methods on its held-out inputs, all in
 # $OUT/trained — one call, since the cache it builds lives on the machine only, and the same rows on
-# random logits; convergence: the model trained with grad_weight_filter off and on, alternating, CONVERGENCE_RUNS_PER_ARM (2) each,
+# random logits, then the rescue schemes priced on those inputs (benchmarks/rescue_schemes.py); convergence: the model trained with grad_weight_filter off and on, alternating, CONVERGENCE_RUNS_PER_ARM (2) each,
 # CONVERGENCE_STEPS steps each, at CONVERGENCE_FILTER (default 2**-12), with CONVERGENCE_RESCUE's rescue if set)
 # Expects wheels in .whl/ (ours, built with `python -m build --wheel -o .whl`, plus the peers
 # liger-kernel and cut-cross-entropy, and pydantic's wheels where the machine lacks it: README's Notes); installs
@@ -94,6 +94,9 @@ while [ $# -gt 0 ]; do
         python3 -m flce_policy.benchmarks.accuracy "${pick[@]}" --methods "${methods[@]}" \
           --out "$d/accuracy-$inputs.json" 2>&1 | tee "$d/accuracy-$inputs.log" || status=1
       done
+      # the filter's ways of treating its dropped tiles (skip, uniform rescue, rescue by level), priced exactly
+      python3 -m flce_policy.benchmarks.rescue_schemes --inputs trained --accuracy "$d/accuracy-trained.json" \
+        --out "$d/rescue_schemes.json" 2>&1 | tee "$d/rescue_schemes.log" || status=1
       shift ;;
     convergence)
       # trainings of the trained-inputs model from one seed, filter off and on ($CONVERGENCE_FILTER, 2**-12 by default) alternating, 2 of each by default
