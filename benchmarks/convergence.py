@@ -111,7 +111,7 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("training loss (nats)")
     arms = result["arms"]
     rescue = result.get("rescue")
-    rescued = "" if rescue is None else f", rescue 1 in {rescue}"
+    rescued = "" if rescue is None else f", rescue {rescue}"
     ax.set_title(
         f"grad_weight_filter={result['eps']:g}{rescued}: "
         f"held-out {arms['on']['mean']:.4f} +- {arms['on']['std']:.4f} nats, "

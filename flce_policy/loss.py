@@ -122,11 +122,13 @@ def fused_linear_cross_entropy(
             uniform ``-eps_ls/V`` term. None (default): the policy rule's ``grad_weight_filter`` (none
             unless a rule sets one: the dense path); a number here wins over the policy's, and ``0``
             (nothing skipped) runs the dense path. See docs/grad_weight_filter.md.
-        grad_weight_filter_rescue: N, a power of two in [2, 65536]: of the tiles the filter skips, about one
-            in N (picked by a hash of the tile's rows of ``input`` and its classes: other tiles on every step)
-            is multiplied anyway and counted N times, so grad_weight and grad_bias equal the dense ones in
-            expectation: the filter's bias on training goes, for 1/N of the skipped tiles' cost and some noise
-            in each call's grad_weight. None (default): the policy rule's (none unless a rule sets one). Needs
+        grad_weight_filter_rescue: N, a power of two in [2, 65536]: a tile the filter skips whose largest
+            per-token ``|p - onehot|`` lies L octaves below eps is multiplied anyway with probability 2^-L (L at
+            least 1, at most log2(N); picked by a hash of the tile's rows of ``input`` and its classes: other
+            tiles on every step) and counted 2^L times, so grad_weight and grad_bias equal the dense ones in
+            expectation: the filter's bias on training goes, for some of the skipped tiles' cost (most for the
+            tiles just under eps, which carry most of what is dropped) and some noise in each call's
+            grad_weight. None (default): the policy rule's (none unless a rule sets one). Needs
             a filter eps (the call's or the rule's): ValueError without one.
         tp_grad_input: ``"full"`` (default) returns the input gradient summed over the group
             (one all-reduce in backward); ``"partial"`` this rank's share, for a caller whose own

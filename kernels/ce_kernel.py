@@ -40,7 +40,7 @@ from flce_policy.plan.scaled_exp import SCALED_EXP_TILE, scaled_exp_slots
 from .interpreter import KERNELS_INTERPRETED  # re-exported: where the tests have always imported it from
 from .rounding import rounded
 from .row_partials import CEWorkspace
-from .weight_grad_filter import finish_kernel_args, store_flags
+from .weight_grad_filter import finish_kernel_args, flag_codes, store_flags
 
 if TYPE_CHECKING:
     from .vocab_shard import VocabShard
@@ -271,6 +271,7 @@ def _ce_finish_kernel(
     flags_ptr=None,
     flag_row_stride=0,
     filter_log_eps=0.0,
+    filter_log2_eps=0.0,
     FILTER: tl.constexpr = False,
     FLAG_GROUPS: tl.constexpr = 1,
     FLAG_COLS: tl.constexpr = 128,
@@ -315,9 +316,11 @@ def _ce_finish_kernel(
                     tl.store(row_ptr + offs, zero, mask=offs < col_stop)
                 if FILTER:  # an ignored row's gradient is 0: nothing of it reaches grad_weight
                     keep = tl.zeros([BLOCK_V], dtype=tl.int32)
+                    nothing = tl.full([BLOCK_V], -float("inf"), dtype=tl.float32)
                     store_flags(
-                        flags_ptr + row * flag_row_stride, keep, start, col_stop, BLOCK_V, FLAG_GROUPS, FLAG_COLS
-                    )
+                        flags_ptr + row * flag_row_stride, keep, nothing, filter_log2_eps, start, col_stop, BLOCK_V,
+                        FLAG_GROUPS, FLAG_COLS, LOG_STRENGTH=True,
+                    )  # fmt: skip
     else:
         local_target = target - col_offset
         # Merge the row's partial log-sum-exps: lse = M + log(sum_s d_s * exp(m_s - M)).
@@ -401,7 +404,9 @@ def _ce_finish_kernel(
                     inside = (group * FLAG_COLS >= col_start) & (group * FLAG_COLS < col_stop)
                     e_max = tl.load(partials_ptr + (2 + half) * plane + row * NUM_SLOTS + slot, mask=inside, other=0.0)
                     keep = (e_max * tl.exp(m - lse) >= filter_eps) | (group == local_target // FLAG_COLS)
-                    tl.store(flags_ptr + row * flag_row_stride + group, keep.to(tl.uint8), mask=inside)
+                    log2_top = tl.log2(e_max) + (m - lse) * 1.4426950408889634
+                    codes = flag_codes(keep, log2_top, filter_log2_eps)
+                    tl.store(flags_ptr + row * flag_row_stride + group, codes, mask=inside)
             if not ROW_SCALED:
                 for start in range(col_start, col_stop, BLOCK_V):
                     offs = start + cols
@@ -424,11 +429,14 @@ def _ce_finish_kernel(
                         # z_c - lse >= log(eps): a compare, not a second exp per element.
                         if SCALED_EXP_TILE:
                             keep = ((p >= filter_eps) | (offs == local_target)) & mask
+                            strength = tl.where(mask, p, 0.0)
                         else:
                             keep = ((z - lse >= filter_log_eps) | (offs == local_target)) & mask
+                            strength = tl.where(mask, z - lse, -float("inf"))
                         store_flags(
-                            flags_ptr + row * flag_row_stride, keep, start, col_stop, BLOCK_V, FLAG_GROUPS, FLAG_COLS
-                        )
+                            flags_ptr + row * flag_row_stride, keep, strength, filter_log2_eps, start, col_stop,
+                            BLOCK_V, FLAG_GROUPS, FLAG_COLS, LOG_STRENGTH=SCALED_EXP_TILE == 0,
+                        )  # fmt: skip
                     if HAS_SMOOTHING:
                         if HAS_WEIGHT:
                             w = tl.load(class_weight_ptr + col_offset + offs, mask=mask, other=0.0)
@@ -551,8 +559,9 @@ def ce_finish(
 
     ``entropy_rows`` (fp32, written with the losses) receives each row's entropy in nats, 0 where ignored.
     ``filter_flags`` (uint8 ``[>= n, cdiv(tile, FILTER_COLS)]``, with the gradient only) receives per row
-    and ``FILTER_COLS`` columns of the tile a 1 where some ``|p_c - [c == y]| >= filter_eps`` or the
-    target lies (:mod:`flce_policy.kernels.weight_grad_filter`), a 0 elsewhere and on ignored rows.
+    and ``FILTER_COLS`` columns of the tile a flag byte: ``KEPT_FLAG`` where some ``|p_c - [c == y]| >= filter_eps``
+    or the target lies, elsewhere ``KEPT_FLAG`` minus the columns' level below eps (on ignored rows the largest:
+    :mod:`flce_policy.kernels.weight_grad_filter`).
     """
     n_rows, n_cols = logits.shape
     ws = workspace

@@ -184,7 +184,11 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
                 **chunk_rows,
             )
         # the filter's tile count, queued now: the host reads it while the GPU runs the grad_input GEMM
-        flagged = None if scratch is None else flag_tiles(scratch, stop - start, logits.shape[1])
+        flagged = (
+            None
+            if scratch is None
+            else flag_tiles(scratch, stop - start, logits.shape[1], rescue=params.grad_weight_filter_rescue)
+        )
         # a scaled-exp slab's gradient lacks the target's one-hot term: added beside the GEMMs (target_grad)
         target_terms = (
             TargetTerms(target[start:stop], workspace, params.ignore_index) if scaled_exp and grads.any else None

@@ -49,7 +49,8 @@ class CEParams:
     #: eps of the grad_weight filter (> 0), or None for the dense GEMM: grad_weight and grad_bias take only the
     #: tiles of dL/dlogits where some |p - onehot| >= eps (flce_policy.kernels.weight_grad_filter).
     grad_weight_filter: float | None = None
-    #: N: one in N of the tiles the filter skips kept anyway, counted N times (unbiased); None: none kept.
+    #: N: a tile the filter skips kept anyway with probability 2^-L (L its level, at most log2(N)), counted 2^L times
+    #: (unbiased); None: none kept.
     grad_weight_filter_rescue: int | None = None
 
 

@@ -146,7 +146,9 @@ class _TiledRun:
             tile = self.grad_tile(x_chunk, target_chunk, loss_rows, finish, start, stop, write_loss=tile_index == 0)
             # the filter's tile count, queued now: the host reads it while the GPU runs the grad_input GEMM
             flagged = (
-                None if self.filter is None or tile_index >= self.first_late else flag_tiles(self.filter, *tile.shape)
+                None
+                if self.filter is None or tile_index >= self.first_late
+                else flag_tiles(self.filter, *tile.shape, rescue=self.params.grad_weight_filter_rescue)
             )
             if accumulator is not None:
                 accumulator.add(tile, self.weight[start:stop], first=tile_index == 0)

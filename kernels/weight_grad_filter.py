@@ -2,22 +2,24 @@
 
 A trained LM's softmax is nearly all zeros: most ``[FILTER_ROWS, FILTER_COLS]`` tiles of a chunk's
 dL/dlogits ``G`` hold only tiny values. The CE finish kernel (:mod:`flce_policy.kernels.ce_kernel`)
-writes, through :func:`store_flags`, one flag per row and ``FILTER_COLS`` columns: 1 when some column
-there has a per-token ``|p_c - [c == y]| >= eps`` (``p = softmax(z)``, ``z`` after the softcap;
+writes, through :func:`store_flags`, one flag byte per row and ``FILTER_COLS`` columns: ``KEPT_FLAG`` when some
+column there has a per-token ``|p_c - [c == y]| >= eps`` (``p = softmax(z)``, ``z`` after the softcap;
 unscaled: the reduction, ``grad_output``, class weights, token scaling, z-loss and smoothing do not
-move it) or is the target.
+move it) or is the target, else ``KEPT_FLAG`` minus the columns' level (the octaves from their largest such value
+up to eps: :mod:`flce_policy.plan.weight_filter`).
 
 Three launches per chunk (and vocab tile):
 
 1. ``_tile_flags_kernel``: which of the chunk's row tiles (``FILTER_ROWS`` rows each, from the chunk's
-   first row) have flags that are not all 0 in each ``FILTER_COLS`` columns, a byte per tile (1 kept, 0
-   skipped; with a rescue N, 2 where a tile to skip is kept anyway: the hash of
-   :data:`flce_policy.plan.weight_filter.RESCUE_HASH`).
+   first row) have a kept flag in each ``FILTER_COLS`` columns, a state byte per tile (1 kept, 0
+   skipped; with a rescue, 1 + the tile's level L where a tile to skip is kept anyway: the hash of
+   :data:`flce_policy.plan.weight_filter.RESCUE_HASH` picks one in 2^L).
 2. ``_list_tiles_kernel``, one program per ``FILTER_COLS`` columns: those tiles as a list (the rescued ones
-   first), its length and how many of them are rescued.
+   first, by descending level), its length and where each level's rescued tiles end.
 3. One program per ``[FILTER_COLS, BLOCK_H]`` block of grad_weight, ``G[tile, cols].T @ x[tile, h]`` in
    fp32 over the kept row tiles only (a skipped tile is neither loaded nor multiplied; the rescued tiles'
-   sum is multiplied by N before the kept ones are added: no cost per tile):
+   sum is doubled after each level, so level L's count 2^L times, before the kept ones are added: no cost
+   per tile):
    ``_listed_tma_kernel`` loads the listed tiles through TMA descriptors, the next tile's row read one
    iteration ahead, so the loads pipeline whatever the list: 1.01x cuBLAS's time with every tile kept,
    0.31x with 18% kept (H200, results/notes/2026-12-01-h200-filter-probe-3.log). Where TMA cannot
@@ -48,7 +50,16 @@ import torch
 import triton
 import triton.language as tl
 
-from flce_policy.plan.weight_filter import ALL_KEPT_COST, DENSE_LOOP_MIN_KEPT, FILTER_COLS, FILTER_ROWS, RESCUE_HASH
+from flce_policy.plan.weight_filter import (
+    ALL_KEPT_COST,
+    DENSE_LOOP_MIN_KEPT,
+    FILTER_COLS,
+    FILTER_ROWS,
+    KEPT_FLAG,
+    MAX_RESCUE,
+    RESCUE_HASH,
+    rescue_max_level,
+)
 
 from .gemm import accumulate_mm
 from .host_read import HostRead
@@ -92,6 +103,7 @@ _HASH_ARGS = dict(
 )
 #: Column blocks per program of the kernel reading the flags (a row of 128 flags: 128 bytes, one line)
 _FLAG_BLOCKS = 128
+_KEPT = tl.constexpr(KEPT_FLAG)
 
 
 # --------------------------------------------------------------------------- the flags (in the CE finish kernel)
@@ -99,16 +111,34 @@ _FLAG_BLOCKS = 128
 
 @triton.jit
 def store_flags(
-    flag_row_ptr, keep, start, col_stop, BLOCK_V: tl.constexpr, GROUPS: tl.constexpr, FLAG_COLS: tl.constexpr
-):
-    """One uint8 per ``FLAG_COLS`` columns of the ``BLOCK_V`` block at ``start``: 1 where some column is kept.
+    flag_row_ptr, keep, strength, log2_eps, start, col_stop, BLOCK_V: tl.constexpr, GROUPS: tl.constexpr,
+    FLAG_COLS: tl.constexpr, LOG_STRENGTH: tl.constexpr,
+):  # fmt: skip
+    """One flag byte per ``FLAG_COLS`` columns of the ``BLOCK_V`` block at ``start`` (:func:`flag_codes`): kept
+    where some column is, else the level of the columns' largest ``strength`` (per-token ``|p - onehot|``, or its
+    natural log with ``LOG_STRENGTH``; columns past the row's end hold 0, or -inf).
 
     Called by the CE finish kernel per block of a row. ``GROUPS`` is ``BLOCK_V // FLAG_COLS`` (1 when the
     block is narrower: then it is the whole tile).
     """
-    flags = tl.max(tl.reshape(keep.to(tl.int32), (GROUPS, BLOCK_V // GROUPS)), axis=1)
+    kept = tl.max(tl.reshape(keep.to(tl.int32), (GROUPS, BLOCK_V // GROUPS)), axis=1)
+    top = tl.max(tl.reshape(strength, (GROUPS, BLOCK_V // GROUPS)), axis=1)
+    if LOG_STRENGTH:
+        log2_top = top * 1.4426950408889634
+    else:
+        log2_top = tl.log2(top)
     index = start // FLAG_COLS + tl.arange(0, GROUPS)
-    tl.store(flag_row_ptr + index, flags.to(tl.uint8), mask=index * FLAG_COLS < col_stop)
+    tl.store(flag_row_ptr + index, flag_codes(kept > 0, log2_top, log2_eps), mask=index * FLAG_COLS < col_stop)
+
+
+@triton.jit
+def flag_codes(kept, log2_top, log2_eps):
+    """The flag bytes (:data:`flce_policy.plan.weight_filter.KEPT_FLAG`): KEPT_FLAG where ``kept``, else
+    KEPT_FLAG - L with L = ceil(log2(eps) - log2(largest |p - onehot|)) in [1, KEPT_FLAG - 1] (an all-zero group,
+    or eps 0: the largest level)."""
+    gap = log2_eps - log2_top
+    level = tl.where(gap < _KEPT - 1, tl.maximum(tl.ceil(gap), 1.0), _KEPT - 1)  # NaN (-inf - -inf): the largest
+    return tl.where(kept, _KEPT, _KEPT - level.to(tl.int32)).to(tl.uint8)
 
 
 def finish_kernel_args(ws: CEWorkspace, flags: torch.Tensor | None, eps: float) -> dict:
@@ -124,6 +154,7 @@ def finish_kernel_args(ws: CEWorkspace, flags: torch.Tensor | None, eps: float) 
         flags_ptr=flags,
         flag_row_stride=flags.stride(0),
         filter_log_eps=math.log(eps) if eps > 0 else -math.inf,  # eps 0 keeps every tile
+        filter_log2_eps=math.log2(eps) if eps > 0 else -math.inf,
         FILTER=True,
         FLAG_GROUPS=max(ws.block_v // FILTER_COLS, 1),
         FLAG_COLS=FILTER_COLS,
@@ -139,8 +170,10 @@ class FilterScratch(NamedTuple):
     flags: torch.Tensor  # [rows, cdiv(tile_cols, FILTER_COLS)] uint8, written by the CE finish kernel
     tiles: torch.Tensor  # [cdiv(tile_cols, FILTER_COLS), cdiv(rows, FILTER_ROWS)] int32: kept row tiles, listed
     counts: torch.Tensor  # [cdiv(tile_cols, FILTER_COLS)] int32: how many are listed
-    kept: torch.Tensor  # [cdiv(tile_cols, FILTER_COLS), cdiv(rows, FILTER_ROWS)] uint8: 1 kept, 2 rescued, 0 skipped
-    rescued: torch.Tensor  # [cdiv(tile_cols, FILTER_COLS)] int32: how many of the listed are rescued (listed first)
+    kept: torch.Tensor  # [cdiv(tile_cols, FILTER_COLS), cdiv(rows, FILTER_ROWS)] uint8: 1 kept, 1 + L rescued at
+    # level L, 0 skipped
+    level_ends: torch.Tensor  # [cdiv(tile_cols, FILTER_COLS) * max level] int32: per column block, where each level's
+    # rescued tiles end in its list (from the largest level down; the last is how many are rescued)
 
 
 class TileCount(NamedTuple):
@@ -175,7 +208,7 @@ def filter_scratch(rows: int, tile_cols: int, device: torch.device) -> FilterScr
         torch.empty((col_blocks, row_tiles), dtype=torch.int32, device=device),
         torch.empty(col_blocks, dtype=torch.int32, device=device),
         torch.empty((col_blocks, row_tiles), dtype=torch.uint8, device=device),
-        torch.empty(col_blocks, dtype=torch.int32, device=device),
+        torch.empty(col_blocks * rescue_max_level(MAX_RESCUE), dtype=torch.int32, device=device),
     )
 
 
@@ -189,12 +222,14 @@ def filter_scratch_for(call: DriverCall, rows: int, tile_cols: int) -> FilterScr
 @triton.jit
 def _tile_flags_kernel(
     flags_ptr, flag_stride, kept_ptr, tile_stride, x_ptr, x_stride, hidden, n_rows, n_col_blocks,
-    BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, RESCUE: tl.constexpr, HASH_COLUMNS: tl.constexpr,
-    BLOCK_MUL: tl.constexpr, MIXER: tl.constexpr, ROUNDS: tl.constexpr, MASK: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, MAX_LEVEL: tl.constexpr, HASH: tl.constexpr,
+    HASH_COLUMNS: tl.constexpr, BLOCK_MUL: tl.constexpr, MIXER: tl.constexpr, ROUNDS: tl.constexpr,
+    MASK: tl.constexpr,
 ):  # fmt: skip
-    """kept[c, r] = 1 where row tile r has a flag set in column block c (else 2 where RESCUE rescues it, else 0):
-    one program per row tile and BLOCK_C column blocks, reading the flags row by row (coalesced; a column of
-    them is 1 byte in V/128)."""
+    """kept[c, r], the state of row tile r in column block c: 1 where one of its rows' flags in c is KEPT_FLAG;
+    else, with a rescue (``MAX_LEVEL`` > 0), 1 + its level L (the smallest of its rows', at most MAX_LEVEL) where
+    the hash picks it (one in 2^L; every tile without ``HASH``), else 0. One program per row tile and BLOCK_C
+    column blocks, reading the flags row by row (coalesced; a column of them is 1 byte in V/128)."""
     row_tile = tl.program_id(0)
     blocks = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     rows = row_tile * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -204,22 +239,27 @@ def _tile_flags_kernel(
         mask=(rows < n_rows)[:, None] & block_mask[None, :],
         other=0,
     )
-    is_kept = (tl.max(flags.to(tl.int32), axis=0) > 0).to(tl.uint8)
-    if RESCUE:
-        rescued = _rescued(
-            x_ptr, x_stride, hidden, n_rows, rows, blocks, RESCUE, BLOCK_K, HASH_COLUMNS, BLOCK_MUL, MIXER, ROUNDS, MASK
-        )
-        is_kept = tl.where(is_kept == 0, 2 * rescued, is_kept).to(tl.uint8)
-    tl.store(kept_ptr + blocks * tile_stride + row_tile, is_kept, mask=block_mask)
+    top = tl.max(flags.to(tl.int32), axis=0)
+    state = (top == _KEPT).to(tl.int32)
+    if MAX_LEVEL:
+        level = tl.minimum(_KEPT - top, MAX_LEVEL)
+        picked = level > 0
+        if HASH:
+            picked = _rescued(
+                x_ptr, x_stride, hidden, n_rows, rows, blocks, level, BLOCK_K, HASH_COLUMNS, BLOCK_MUL, MIXER, ROUNDS,
+                MASK,
+            )  # fmt: skip
+        state = tl.where(state == 1, 1, tl.where(picked, 1 + level, 0))
+    tl.store(kept_ptr + blocks * tile_stride + row_tile, state.to(tl.uint8), mask=block_mask)
 
 
 @triton.jit
 def _rescued(
-    x_ptr, x_stride, hidden, n_rows, rows, blocks, RESCUE: tl.constexpr, BLOCK_K: tl.constexpr,
-    HASH_COLUMNS: tl.constexpr, BLOCK_MUL: tl.constexpr, MIXER: tl.constexpr, ROUNDS: tl.constexpr, MASK: tl.constexpr,
+    x_ptr, x_stride, hidden, n_rows, rows, blocks, level, BLOCK_K: tl.constexpr, HASH_COLUMNS: tl.constexpr,
+    BLOCK_MUL: tl.constexpr, MIXER: tl.constexpr, ROUNDS: tl.constexpr, MASK: tl.constexpr,
 ):  # fmt: skip
-    """1 (uint8) where the rescue's hash (flce_policy.plan.weight_filter.RESCUE_HASH) of the row tile's x and
-    the column block picks the tile, per block of ``blocks``."""
+    """Where the rescue's hash (flce_policy.plan.weight_filter.RESCUE_HASH) of the row tile's x and the column
+    block picks the tile at its ``level`` (its low ``level`` bits 0), per block of ``blocks``."""
     columns = tl.arange(0, HASH_COLUMNS)
     x = tl.load(
         x_ptr + rows.to(tl.int64)[:, None] * x_stride + columns[None, :],
@@ -234,27 +274,32 @@ def _rescued(
     z = (h ^ ((blocks.to(tl.int64) * BLOCK_MUL) & MASK)) & MASK
     for _ in tl.static_range(ROUNDS):
         z = ((z ^ (z >> 16)) * MIXER) & MASK
-    return (((z ^ (z >> 16)) & (RESCUE - 1)) == 0).to(tl.uint8)
+    low_bits = (tl.full(level.shape, 1, tl.int64) << level.to(tl.int64)) - 1
+    return ((z ^ (z >> 16)) & low_bits) == 0
 
 
 @triton.jit
 def _list_tiles_kernel(
-    kept_ptr, tiles_ptr, tile_stride, counts_ptr, rescued_ptr, n_row_tiles, ROW_TILES: tl.constexpr
+    kept_ptr, tiles_ptr, tile_stride, counts_ptr, ends_ptr, n_row_tiles, ROW_TILES: tl.constexpr,
+    MAX_LEVEL: tl.constexpr,
 ):  # fmt: skip
-    """A column block's rescued row tiles, then its kept ones, each ascending, as one list; the list's length
-    and how many of it are rescued (one program per column block)."""
+    """A column block's rescued row tiles by descending level, then its kept ones, each ascending, as one list; the
+    list's length and, per level from MAX_LEVEL down to 1, where its rescued tiles end (one program per column
+    block)."""
     col_block = tl.program_id(0)
     row_tiles = tl.arange(0, ROW_TILES)
     in_range = row_tiles < n_row_tiles
     state = tl.load(kept_ptr + col_block * tile_stride + row_tiles, mask=in_range, other=0)
-    is_kept = (state == 1).to(tl.int32)
-    is_rescued = (state == 2).to(tl.int32)
-    n_rescued = tl.sum(is_rescued, axis=0)
     listed = tiles_ptr + col_block * tile_stride
-    tl.store(listed + tl.cumsum(is_rescued, axis=0) - is_rescued, row_tiles, mask=in_range & (is_rescued > 0))
-    tl.store(listed + n_rescued + tl.cumsum(is_kept, axis=0) - is_kept, row_tiles, mask=in_range & (is_kept > 0))
-    tl.store(counts_ptr + col_block, n_rescued + tl.sum(is_kept, axis=0))
-    tl.store(rescued_ptr + col_block, n_rescued)
+    end = 0
+    for i in tl.static_range(MAX_LEVEL):
+        at_level = (state == 1 + MAX_LEVEL - i).to(tl.int32)
+        tl.store(listed + end + tl.cumsum(at_level, axis=0) - at_level, row_tiles, mask=in_range & (at_level > 0))
+        end += tl.sum(at_level, axis=0)
+        tl.store(ends_ptr + col_block * MAX_LEVEL + i, end)
+    is_kept = (state == 1).to(tl.int32)
+    tl.store(listed + end + tl.cumsum(is_kept, axis=0) - is_kept, row_tiles, mask=in_range & (is_kept > 0))
+    tl.store(counts_ptr + col_block, end + tl.sum(is_kept, axis=0))
 
 
 @triton.jit
@@ -266,7 +311,7 @@ def _filtered_weight_grad_kernel(
     tiles_ptr,
     tile_stride,
     counts_ptr,
-    rescued_ptr,
+    ends_ptr,
     kept_ptr,
     out_ptr,
     out_stride,
@@ -276,7 +321,7 @@ def _filtered_weight_grad_kernel(
     hidden,
     dense_min_kept,
     DENSE: tl.constexpr,
-    RESCUE: tl.constexpr,
+    MAX_LEVEL: tl.constexpr,
     FIRST: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -310,8 +355,8 @@ def _filtered_weight_grad_kernel(
                 k_limit = tl.where(state != 0, n_rows - r * BLOCK_K, 0)
                 k_mask = k < k_limit
                 gt = tl.load(g_ptrs, mask=k_mask[None, :] & col_mask[:, None], other=0.0)
-                if RESCUE:  # a rescued tile (2) counts N times: exact, N a power of two
-                    factor = tl.where(state == 2, RESCUE, 1)
+                if MAX_LEVEL:  # a rescued tile (1 + L) counts 2^L times: exact
+                    factor = tl.where(state > 1, 1 << (state.to(tl.int32) - 1), 1)
                     # fp32 where the products are (the interpreter's bf16 arithmetic is wrong, as its tl.dot)
                     gt = gt.to(tl.float32) * factor if IEEE else gt * factor.to(gt.dtype)
                 if HAS_WEIGHT:
@@ -324,14 +369,17 @@ def _filtered_weight_grad_kernel(
         else:
             listed = tiles_ptr + pid_v * tile_stride
             first_kept = 0
-            if RESCUE:  # the rescued tiles, listed first, summed, then counted N times
-                first_kept = tl.load(rescued_ptr + pid_v)
+            # the rescued tiles, listed first by descending level, the sum doubled after each level: level L's
+            # counted 2^L times (exact)
+            for i in range(MAX_LEVEL):
+                level_end = tl.load(ends_ptr + pid_v * MAX_LEVEL + i)
                 acc, bias_acc = _pointer_loop(
-                    grad_ptr, grad_stride, x_ptr, x_stride, listed, 0, first_kept, acc, bias_acc, cols, hs, k,
-                    col_mask, h_mask, n_rows, HAS_WEIGHT, HAS_BIAS, IEEE, BLOCK_K,
+                    grad_ptr, grad_stride, x_ptr, x_stride, listed, first_kept, level_end, acc, bias_acc, cols, hs,
+                    k, col_mask, h_mask, n_rows, HAS_WEIGHT, HAS_BIAS, IEEE, BLOCK_K,
                 )  # fmt: skip
-                acc = acc * RESCUE
-                bias_acc = bias_acc * RESCUE
+                acc = acc * 2.0
+                bias_acc = bias_acc * 2.0
+                first_kept = level_end
             acc, bias_acc = _pointer_loop(
                 grad_ptr, grad_stride, x_ptr, x_stride, listed, first_kept, kept, acc, bias_acc, cols, hs, k,
                 col_mask, h_mask, n_rows, HAS_WEIGHT, HAS_BIAS, IEEE, BLOCK_K,
@@ -369,13 +417,13 @@ def _listed_tma_kernel(
     tiles_ptr,
     tile_stride,
     counts_ptr,
-    rescued_ptr,
+    ends_ptr,
     out_ptr,
     out_stride,
     bias_ptr,
     n_cols,
     hidden,
-    RESCUE: tl.constexpr,
+    MAX_LEVEL: tl.constexpr,
     FIRST: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -395,15 +443,18 @@ def _listed_tma_kernel(
     # iteration does not pipeline (1.4x cuBLAS per tile against 1.01x, H200)
     next_tile = tl.load(listed, mask=kept > 0, other=0)
     first_kept = 0
-    if RESCUE:  # the rescued tiles, listed first, summed, then counted N times (exact: a power of two)
-        first_kept = tl.load(rescued_ptr + pid_v)
-        for i in tl.range(0, first_kept, num_stages=STAGES):
+    # the rescued tiles, listed first by descending level, the sum doubled after each level: level L's counted
+    # 2^L times (exact)
+    for level in range(MAX_LEVEL):
+        level_end = tl.load(ends_ptr + pid_v * MAX_LEVEL + level)
+        for i in tl.range(first_kept, level_end, num_stages=STAGES):
             next_tile, acc, bias_acc = _tma_step(
                 grad_desc, x_desc, listed, i, kept, next_tile, acc, bias_acc, pid_v, pid_h, HAS_WEIGHT, HAS_BIAS, IEEE,
                 BLOCK_V, BLOCK_H, BLOCK_K,
             )  # fmt: skip
-        acc = acc * RESCUE
-        bias_acc = bias_acc * RESCUE
+        acc = acc * 2.0
+        bias_acc = bias_acc * 2.0
+        first_kept = level_end
     for i in tl.range(first_kept, kept, num_stages=STAGES):
         next_tile, acc, bias_acc = _tma_step(
             grad_desc, x_desc, listed, i, kept, next_tile, acc, bias_acc, pid_v, pid_h, HAS_WEIGHT, HAS_BIAS, IEEE,
@@ -456,49 +507,68 @@ def _store_block(
 
 
 class FlaggedTiles:
-    """A chunk's flagged tiles, counted (rescue aside) and on their way to the host: :func:`flag_tiles`."""
+    """A chunk's flagged tiles, counted with the rescue's expected share of the others and on their way to the
+    host: :func:`flag_tiles`."""
 
-    __slots__ = ("n_rows", "n_cols", "_count")
+    __slots__ = ("n_rows", "n_cols", "rescue", "_count")
 
-    def __init__(self, n_rows: int, n_cols: int, count: HostRead | None) -> None:
-        self.n_rows, self.n_cols, self._count = n_rows, n_cols, count
+    def __init__(self, n_rows: int, n_cols: int, rescue: int, count: HostRead | None) -> None:
+        self.n_rows, self.n_cols, self.rescue, self._count = n_rows, n_cols, rescue, count
 
-    def dense_is_faster(self, rescue: int, all_kept_cost: float) -> bool:
-        """Whether cuBLAS's dense GEMM beats the kernel: decided on the flagged tiles and the rescue's expected 1/N
-        of the others, not on the tiles the hash draws (the rescue stays unbiased: the dense product is the
-        expectation it estimates). False (the kernel) where nothing was counted (a CUDA graph being captured)."""
+    def dense_is_faster(self, all_kept_cost: float) -> bool:
+        """Whether cuBLAS's dense GEMM beats the kernel: decided on the flagged tiles and the rescue's expected
+        2^-L of each other one, not on the tiles the hash draws (the rescue stays unbiased: the dense product is
+        the expectation it estimates). False (the kernel) where nothing was counted (a CUDA graph being captured)."""
         if self._count is None:
             return False
         total = triton.cdiv(self.n_rows, FILTER_ROWS) * triton.cdiv(self.n_cols, FILTER_COLS)
-        flagged = int(self._count.wait()[0])
-        multiplied = flagged + (total - flagged) / rescue if rescue else flagged
+        multiplied = int(self._count.wait()[0]) / 2 ** rescue_max_level(self.rescue)
         return multiplied * all_kept_cost >= total
 
 
-def flag_tiles(scratch: FilterScratch, n_rows: int, n_cols: int, *, count: bool = True) -> FlaggedTiles:
-    """Which tiles of an ``[n_rows, n_cols]`` slab of dL/dlogits the flags keep (``scratch.kept``, 1 or 0) and,
-    with ``count``, their number queued for the host (no sync; none while a CUDA graph is captured).
+def flag_tiles(
+    scratch: FilterScratch, n_rows: int, n_cols: int, *, rescue: int | None = None, count: bool = True
+) -> FlaggedTiles:
+    """Which tiles of an ``[n_rows, n_cols]`` slab of dL/dlogits the flags keep (``scratch.kept``: 1, else 0, or
+    with ``rescue`` 1 + the tile's level) and, with ``count``, the tiles the kernel is expected to multiply, in
+    units of 2^-max level (each flagged one 1, each other one 2^-L), queued for the host (no sync; none while a
+    CUDA graph is captured).
 
     Queue it as soon as the CE finish has written the flags and hand the result to :func:`filtered_weight_grad`
     after the grad_input GEMM is queued: the host waits for the count while the GPU runs that GEMM."""
     flags, _, _, kept, _ = scratch
     row_tiles, col_blocks = triton.cdiv(n_rows, FILTER_ROWS), triton.cdiv(n_cols, FILTER_COLS)
-    _launch_tile_flags(scratch, None, n_rows, col_blocks, 0)
+    max_level = rescue_max_level(rescue)
+    _launch_tile_flags(scratch, None, n_rows, col_blocks, max_level)
     capturing = flags.is_cuda and torch.cuda.is_current_stream_capturing()
-    counted = None if capturing or not count else kept[:col_blocks, :row_tiles].sum(dtype=torch.int32).reshape(1)
-    return FlaggedTiles(n_rows, n_cols, None if counted is None else HostRead(counted, "filter count"))
+    counted = None
+    if count and not capturing:
+        states = kept[:col_blocks, :row_tiles]
+        # state 1 + L (1 where flagged) is expected 2^-L of a multiplication: 2^(max level - L) units
+        counted = (
+            states.sum(dtype=torch.int64) if not max_level else (1 << (max_level + 1 - states.long())).sum()
+        ).reshape(1)
+    return FlaggedTiles(n_rows, n_cols, rescue or 0, None if counted is None else HostRead(counted, "filter count"))
 
 
 def _launch_tile_flags(
-    scratch: FilterScratch, x_chunk: torch.Tensor | None, n_rows: int, col_blocks: int, rescue: int
+    scratch: FilterScratch, x_chunk: torch.Tensor | None, n_rows: int, col_blocks: int, max_level: int
 ) -> None:
-    """``scratch.kept`` from the flags (and with ``rescue``, the hash of ``x_chunk``)."""
+    """``scratch.kept`` from the flags (with a rescue's ``max_level``, the levels; with ``x_chunk``, its hash's
+    picks)."""
     flags, _, _, kept, _ = scratch
-    x = flags if x_chunk is None else x_chunk  # not read without a rescue
+    x = flags if x_chunk is None else x_chunk  # not read without the hash
     _tile_flags_kernel[(triton.cdiv(n_rows, FILTER_ROWS), triton.cdiv(col_blocks, _FLAG_BLOCKS))](
         flags, flags.stride(0), kept, kept.stride(0), x, x.stride(0), x.shape[1], n_rows, col_blocks,
-        BLOCK_K=FILTER_ROWS, BLOCK_C=_FLAG_BLOCKS, RESCUE=rescue, **_HASH_ARGS,
+        BLOCK_K=FILTER_ROWS, BLOCK_C=_FLAG_BLOCKS, MAX_LEVEL=max_level, HASH=x_chunk is not None, **_HASH_ARGS,
     )  # fmt: skip
+
+
+def _rescued_count(level_ends: torch.Tensor, col_blocks: int, max_level: int) -> torch.Tensor:
+    """How many tiles the rescue kept (a 0-dim tensor): the end of the last level's in each column block's list."""
+    if not max_level:
+        return level_ends.new_zeros(())
+    return level_ends[: col_blocks * max_level].view(col_blocks, max_level)[:, -1].sum()
 
 
 @triton.jit
@@ -524,7 +594,8 @@ def filtered_weight_grad(
     flagged: FlaggedTiles | None = None,
 ) -> bool:
     """``grad_weight (+)= G.T @ x_chunk`` and ``grad_bias += G.sum(0)`` over the flagged tiles of ``G``, plus,
-    with ``rescue`` N, about one in N of the others (chosen by a hash of ``x_chunk``), counted N times.
+    with ``rescue`` N, each other one with probability 2^-L (chosen by a hash of ``x_chunk``; L its level, at most
+    log2(N): :mod:`flce_policy.plan.weight_filter`), counted 2^L times.
 
     ``grad [n, C]`` (a slab of dL/dlogits), ``x_chunk [n, H]``, ``grad_weight [C, H]`` (any float dtype,
     row-contiguous; ``first`` overwrites it; None: grad_bias only), ``grad_bias [C]`` fp32, ``scratch``
@@ -539,30 +610,35 @@ def filtered_weight_grad(
     """
     n_rows, n_cols = grad.shape
     col_blocks = triton.cdiv(n_cols, FILTER_COLS)
-    _, tiles, counts, kept, rescued = scratch
+    _, tiles, counts, kept, level_ends = scratch
     row_tiles = triton.cdiv(n_rows, FILTER_ROWS)
     rescue = rescue or 0
+    max_level = rescue_max_level(rescue)
     if flagged is None:
-        flagged = flag_tiles(scratch, n_rows, n_cols, count=dense_fallback)
-    elif (flagged.n_rows, flagged.n_cols) != (n_rows, n_cols):
-        raise ValueError(f"tiles flagged for a {flagged.n_rows}x{flagged.n_cols} slab, not this {n_rows}x{n_cols} one")
+        flagged = flag_tiles(scratch, n_rows, n_cols, rescue=rescue, count=dense_fallback)
+    elif (flagged.n_rows, flagged.n_cols, flagged.rescue) != (n_rows, n_cols, rescue):
+        raise ValueError(
+            f"tiles flagged for a {flagged.n_rows}x{flagged.n_cols} slab with rescue {flagged.rescue or None}, not "
+            f"this {n_rows}x{n_cols} one with rescue {rescue or None}"
+        )
     hidden = x_chunk.shape[1] if grad_weight is not None else 1
     tma = tma_tensors(grad, x_chunk)
     narrow = hidden % _TMA_LAUNCH[0] != 0
     launch = ("tma_narrow" if narrow else "tma") if tma else "pointer"
     total = col_blocks * row_tiles
-    dense = dense_fallback and flagged.dense_is_faster(rescue, ALL_KEPT_COST[launch])
+    dense = dense_fallback and flagged.dense_is_faster(ALL_KEPT_COST[launch])
     if not dense:
         if rescue:  # the kept tiles again, now with the rescue's (the hash reads x_chunk, final only now)
-            _launch_tile_flags(scratch, x_chunk, n_rows, col_blocks, rescue)
+            _launch_tile_flags(scratch, x_chunk, n_rows, col_blocks, max_level)
         _list_tiles_kernel[(col_blocks,)](
-            kept, tiles, tiles.stride(0), counts, rescued, row_tiles, ROW_TILES=triton.next_power_of_2(row_tiles)
-        )
+            kept, tiles, tiles.stride(0), counts, level_ends, row_tiles, ROW_TILES=triton.next_power_of_2(row_tiles),
+            MAX_LEVEL=max_level,
+        )  # fmt: skip
     if _observers:
         count = (
             TileCount(counts.new_tensor(total), total, counts.new_zeros(()))  # every tile multiplied, none scaled
             if dense
-            else TileCount(counts[:col_blocks].sum(), total, rescued[:col_blocks].sum())
+            else TileCount(counts[:col_blocks].sum(), total, _rescued_count(level_ends, col_blocks, max_level))
         )
         for observer in _observers:
             observer.append(count)
@@ -573,7 +649,7 @@ def filtered_weight_grad(
             grad_bias += grad.sum(dim=0, dtype=torch.float32)
         return True
     launch_args = dict(
-        RESCUE=rescue,
+        MAX_LEVEL=max_level,
         FIRST=first,
         HAS_WEIGHT=grad_weight is not None,
         HAS_BIAS=grad_bias is not None,
@@ -590,7 +666,7 @@ def filtered_weight_grad(
             tiles,
             tiles.stride(0),
             counts,
-            rescued,
+            level_ends,
             grad_weight,
             0 if grad_weight is None else grad_weight.stride(0),
             grad_bias,
@@ -613,7 +689,7 @@ def filtered_weight_grad(
             tiles,
             tiles.stride(0),
             counts,
-            rescued,
+            level_ends,
             kept,
             grad_weight,
             0 if grad_weight is None else grad_weight.stride(0),

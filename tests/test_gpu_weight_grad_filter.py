@@ -88,3 +88,39 @@ def test_filter_on_cuda(peaked, eps):
     else:
         assert kept == 1.0
         assert rel_l2(gw, dense_gw) < BF16_L2
+
+
+@pytest.mark.parametrize("slab_form", ["logits", "scaled_exp", "scaled_exp_rows"])
+def test_the_rescue_keeps_each_tile_by_its_level_on_cuda(slab_form):
+    """With rescue 16 the kernel rescues about sum(2^-L) of the skipped tiles, L from fp32's largest |p - onehot| per
+    tile (1 to 4): within 5 sampling standard errors of that, and far from the 1/16 of a rescue blind to levels. On
+    each slab form (the scaled-exp ones take their flags from other kernels: Hopper only)."""
+    if slab_form != "logits" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the scaled-exp slab needs a Hopper GPU")
+    eps, rescue, max_level = 2.0**-12, 16, 4
+    x, w, y = _inputs(True, seed=1)
+    policy = Geometry.for_problem(Problem(tokens=BT, hidden=H, vocab=V, dtype="bfloat16"), CHUNK, slab_form=slab_form)
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with observe_tiles() as tiles:
+        loss = fused_linear_cross_entropy(
+            xl, wl, y, policy=policy, grad_weight_filter=eps, grad_weight_filter_rescue=rescue
+        )
+        loss.backward()
+    rescued = sum(int(c.rescued) for c in tiles)
+    logits = (x @ w.T).float()
+    valid = y != -100
+    onehot = F.one_hot(y.clamp_min(0), V).float() * valid[:, None]
+    deviation = (logits.softmax(-1) - onehot).abs() * valid[:, None]
+    keep = ((deviation >= eps) | (onehot > 0)) & valid[:, None]
+    top = deviation.view(BT // 64, 64, V // 128, 128).amax(dim=(1, 3))
+    kept = keep.view(BT // 64, 64, V // 128, 128).any(3).any(1)
+    level = torch.log2(eps / top).ceil().clamp(1, max_level)[~kept]
+    chance = 2.0 ** -level.double()
+    expected, noise = float(chance.sum()), float((chance * (1 - chance)).sum().sqrt())
+    blind = level.numel() / rescue
+    print(json.dumps({
+        "test": "rescue_levels", "slab_form": slab_form, "skipped": level.numel(), "rescued": rescued,
+        "expected": expected, "noise": noise, "blind_to_levels": blind,
+    }))  # fmt: skip
+    assert abs(rescued - expected) < 5 * noise + 0.002 * expected
+    assert abs(blind - expected) > 20 * noise  # the case tells levels apart

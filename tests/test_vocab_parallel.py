@@ -363,7 +363,10 @@ def _grad_weight_filter(rank, world):
     shard_grad = grad[:, start:stop] * mask
     assert_close(gw, shard_grad.T @ x_full.double(), FP32_TOL, "grad_weight (shard, filtered)")
     assert_close(gb, shard_grad.sum(0), FP32_TOL, "grad_bias (shard, filtered)")
-    scale = rescue_scale(keep[:, start:stop], x_full, chunk=CHUNKS.chunk_size, vocab_chunk=stop - start, rescue=2)
+    scale = rescue_scale(
+        keep[:, start:stop], (p - onehot).abs()[:, start:stop], x_full, chunk=CHUNKS.chunk_size,
+        vocab_chunk=stop - start, rescue=2, eps=eps,
+    )  # fmt: skip
     rescued_grad = grad[:, start:stop] * scale
     assert_close(rescued_gw, rescued_grad.T @ x_full.double(), FP32_TOL, "grad_weight (shard, rescued)")
     assert_close(rescued_gb, rescued_grad.sum(0), FP32_TOL, "grad_bias (shard, rescued)")

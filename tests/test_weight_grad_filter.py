@@ -136,6 +136,7 @@ def reference(
     return {
         "grad": grad,
         "keep": keep_at(eps),
+        "deviation": deviation * valid[:, None],  # per-token |p - onehot|, 0 on ignored rows
         "dense_w": grad.T @ xd,
         "filtered_w": (grad * mask).T @ xd,
         "dense_b": grad.sum(0),

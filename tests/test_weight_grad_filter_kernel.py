@@ -14,7 +14,7 @@ from test_loss_kernel import DEVICE, rel_err
 
 from flce_policy.kernels.tma import tma_tensors
 from flce_policy.kernels.weight_grad_filter import filter_scratch, filtered_weight_grad, flag_tiles, observe_tiles
-from flce_policy.plan.weight_filter import FILTER_COLS, FILTER_ROWS, RESCUE_HASH
+from flce_policy.plan.weight_filter import FILTER_COLS, FILTER_ROWS, KEPT_FLAG, RESCUE_HASH
 
 pytestmark = pytest.mark.skipif(
     DEVICE == "cuda" and not torch.cuda.is_available(),
@@ -38,13 +38,29 @@ def chunk_inputs(seed: int, hidden: int, cols: int) -> tuple[torch.Tensor, torch
     return grad.to(DEVICE), x.to(DEVICE), mask
 
 
-def set_flags(scratch, mask: torch.Tensor, cols: int) -> None:
+def set_flags(scratch, mask: torch.Tensor, cols: int, levels: torch.Tensor | None = None) -> None:
     """Flags per row and column block from the tile mask, one kept row per kept tile (the kernel keeps a
-    tile when any of its rows is flagged)."""
+    tile when any of its rows is flagged); with ``levels`` (per tile), an unkept tile's level on one row and a
+    level two deeper on another (the tile's is its rows' smallest), else every flag of an unkept tile 0 (the
+    largest level)."""
     flags = torch.zeros(ROWS, mask.shape[1], dtype=torch.uint8)
     for r, c in mask.nonzero().tolist():
-        flags[min(r * FILTER_ROWS + 7, ROWS - 1), c] = 1
+        flags[min(r * FILTER_ROWS + 7, ROWS - 1), c] = KEPT_FLAG
+    if levels is not None:
+        for r, c in (~mask).nonzero().tolist():
+            flags[min(r * FILTER_ROWS + 3, ROWS - 1), c] = KEPT_FLAG - int(levels[r, c])
+            flags[min(r * FILTER_ROWS + 1, ROWS - 1), c] = KEPT_FLAG - int(levels[r, c]) - 2
     scratch.flags[:ROWS, : mask.shape[1]].copy_(flags.to(DEVICE))
+
+
+def random_levels(mask: torch.Tensor, seed: int) -> torch.Tensor:
+    """Levels 1 to 3 per tile (read for the unkept ones)."""
+    return torch.randint(1, 4, mask.shape, generator=torch.Generator().manual_seed(seed))
+
+
+def tile_scale(state: torch.Tensor) -> torch.Tensor:
+    """fp64 per tile: 1 kept (state 1), 2^L rescued at level L (state 1 + L), 0 skipped."""
+    return torch.where(state > 1, 2.0 ** (state.double() - 1), (state == 1).double())
 
 
 def expand(mask: torch.Tensor, cols: int) -> torch.Tensor:
@@ -112,17 +128,18 @@ def test_every_tile_kept(hidden, cols, tma, fallback):
 
 
 @pytest.mark.parametrize(
-    ("flagged", "rescue", "dense"),
+    ("flagged", "rescue", "level", "dense"),
     # 12 tiles (3 row tiles x 4 column blocks), the pointer launch (1.10x cuBLAS with every tile kept): dense from
-    # 12 / 1.10 = 10.9 multiplied tiles, counting a rescue's expected 1/N of the unflagged ones
-    [(11, None, True), (10, None, False), (10, 2, True), (10, 16, False)],
+    # 12 / 1.10 = 10.9 multiplied tiles, counting a rescue's expected 2^-L of each unflagged one: at level 1 (the
+    # last case) the 2 unflagged count 1/2 each, at the largest level 1/16
+    [(11, None, None, True), (10, None, None, False), (10, 2, None, True), (10, 16, None, False), (10, 16, 1, True)],
 )
-def test_the_dense_fallback_counts_flagged_tiles_and_the_rescue_s_share(flagged, rescue, dense):
+def test_the_dense_fallback_counts_flagged_tiles_and_the_rescue_s_share(flagged, rescue, level, dense):
     hidden, cols = 60, 512
     scratch = filter_scratch(ROWS, cols, torch.device(DEVICE))
     grad, x, mask = chunk_inputs(0, hidden, cols)
     mask = torch.arange(mask.numel()).view(mask.shape) < flagged
-    set_flags(scratch, mask, cols)
+    set_flags(scratch, mask, cols, None if level is None else torch.full(mask.shape, level))
     grad_weight = torch.full((cols, hidden), float("nan"), device=DEVICE)
     assert filtered_weight_grad(grad_weight, grad, x, scratch, first=True, rescue=rescue) == dense
     if dense:  # every tile, none scaled
@@ -130,7 +147,7 @@ def test_the_dense_fallback_counts_flagged_tiles_and_the_rescue_s_share(flagged,
 
 
 @pytest.mark.parametrize(
-    ("flagged", "rescue", "dense"), [(11, None, True), (4, None, False), (10, 2, True), (4, 2, False)]
+    ("flagged", "rescue", "dense"), [(11, None, True), (4, None, False), (10, 2, True), (4, 2, False), (4, 4, False)]
 )
 def test_tiles_flagged_ahead_decide_and_multiply_as_flagged_in_the_call(flagged, rescue, dense):
     """The driver queues :func:`flag_tiles` before the grad_input GEMM and hands its count over: the same dense
@@ -138,20 +155,20 @@ def test_tiles_flagged_ahead_decide_and_multiply_as_flagged_in_the_call(flagged,
     hidden, cols = 60, 512
     grad, x, mask = chunk_inputs(0, hidden, cols)
     mask = torch.arange(mask.numel()).view(mask.shape) < flagged
+    levels = random_levels(mask, 0)
     results = []
     for ahead in (False, True):
         scratch = filter_scratch(ROWS, cols, torch.device(DEVICE))
-        set_flags(scratch, mask, cols)
-        early = flag_tiles(scratch, ROWS, cols) if ahead else None
+        set_flags(scratch, mask, cols, levels)
+        early = flag_tiles(scratch, ROWS, cols, rescue=rescue) if ahead else None
         grad_weight = torch.full((cols, hidden), float("nan"), device=DEVICE)
         ran_dense = filtered_weight_grad(grad_weight, grad, x, scratch, first=True, rescue=rescue, flagged=early)
         assert ran_dense == dense
         results.append(grad_weight)
     assert torch.equal(results[0], results[1])
     if not dense:  # the kernel kept the flagged tiles (and with a rescue, the hash's)
-        state = rescue_state(mask, x, rescue) if rescue else mask.to(torch.uint8)
-        scale = torch.where(state == 2, float(rescue or 1), (state == 1).double())
-        want = (grad.cpu().double() * expand(scale, cols)).T @ x.cpu().double()
+        state = rescue_state(mask, x, rescue, levels) if rescue else mask.to(torch.uint8)
+        want = (grad.cpu().double() * expand(tile_scale(state), cols)).T @ x.cpu().double()
         assert rel_err(results[1].cpu().double(), want) < TOL
 
 
@@ -161,36 +178,79 @@ def test_tiles_flagged_for_another_slab_are_refused():
     scratch = filter_scratch(ROWS, cols, torch.device(DEVICE))
     set_flags(scratch, mask, cols)
     early = flag_tiles(scratch, ROWS - 64, cols)
-    with pytest.raises(ValueError, match=r"tiles flagged for a 86x512 slab, not this 150x512 one"):
+    with pytest.raises(ValueError, match=r"tiles flagged for a 86x512 slab with rescue None, not this 150x512 one"):
         filtered_weight_grad(
             None, grad, x, scratch, first=True, grad_bias=torch.zeros(cols, device=DEVICE), flagged=early
+        )
+    early = flag_tiles(scratch, ROWS, cols)  # without the rescue's levels: its count would be wrong
+    with pytest.raises(ValueError, match=r"with rescue None, not this 150x512 one with rescue 4"):
+        filtered_weight_grad(
+            None, grad, x, scratch, first=True, grad_bias=torch.zeros(cols, device=DEVICE), rescue=4, flagged=early
         )
 
 
 def test_an_ignored_row_clears_its_flags_in_every_block_of_the_row():
-    """The CE finish kernel flags nothing on an ignored row, in each of its column blocks (V = 9000: three
-    blocks of 4096 columns), whatever the flags held before (here all set)."""
+    """The CE finish kernel keeps nothing on an ignored row (its gradient is 0: the largest level), in each of its
+    column blocks (V = 9000: three blocks of 4096 columns), whatever the flags held before (here all kept)."""
     from flce_policy.kernels.ce_kernel import ce_rows, ce_workspace
 
     rows, vocab = 4, 9000
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     target = torch.full((rows,), -100, dtype=torch.int64, device=DEVICE)
     workspace = ce_workspace(rows, vocab, logits.device)
-    flags = filter_scratch(rows, vocab, logits.device).flags.fill_(1)
+    flags = filter_scratch(rows, vocab, logits.device).flags.fill_(KEPT_FLAG)
     loss = torch.empty(rows, device=DEVICE)
     grad_scale = torch.ones(2, device=DEVICE)
     ce_rows(
         logits, target, loss, workspace, ignore_index=-100, grad_scale=grad_scale, filter_flags=flags, filter_eps=0.5
     )
     assert workspace.block_v < vocab  # several blocks per row
-    assert not flags.any()
+    assert (flags[:, : -(-vocab // FILTER_COLS)] == 1).all()
 
 
-# --------------------------------------------------------------------------- the rescue: one skipped tile in N kept
+def test_the_finish_kernel_flags_each_group_s_level_below_eps():
+    """Each row's flag per FILTER_COLS classes is KEPT_FLAG where some per-token |p - onehot| reaches eps or the
+    target lies, else KEPT_FLAG - ceil(log2(eps / the group's largest)), at least 1: against fp64 softmax (ties
+    within 1e-4 of an octave left out: fp32 may round either way), over several blocks of a row."""
+    from flce_policy.kernels.ce_kernel import ce_rows, ce_workspace
+
+    rows, vocab, eps = 96, 9000, 2.0**-10
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(rows, vocab, generator=g) * 3 + torch.linspace(2.0, -12.0, vocab)
+    target = torch.randint(0, vocab, (rows,), generator=g)
+    target[5] = -100
+    p = logits.double().softmax(-1)
+    deviation = (p - torch.nn.functional.one_hot(target.clamp_min(0), vocab).double()).abs()
+    deviation[5] = 0.0
+    groups = -(-vocab // FILTER_COLS)
+    top = torch.nn.functional.pad(deviation, (0, groups * FILTER_COLS - vocab)).view(rows, groups, -1).amax(-1)
+    has_target = torch.zeros(rows, groups, dtype=torch.bool)
+    has_target[torch.arange(rows), target.clamp_min(0) // FILTER_COLS] = target >= 0
+    gap = torch.log2(eps / top)
+    level = gap.ceil().clamp(1, KEPT_FLAG - 1)
+    want = torch.where((top >= eps) | has_target, KEPT_FLAG, KEPT_FLAG - level).to(torch.uint8)
+    clear = ((gap - gap.round()).abs() > 1e-4) | (gap > KEPT_FLAG) | (top >= eps) | has_target
+    workspace = ce_workspace(rows, vocab, torch.device(DEVICE))
+    flags = filter_scratch(rows, vocab, torch.device(DEVICE)).flags.fill_(0)
+    ce_rows(
+        logits.to(DEVICE), target.to(DEVICE), torch.empty(rows, device=DEVICE), workspace, ignore_index=-100,
+        grad_scale=torch.ones(2, device=DEVICE), filter_flags=flags, filter_eps=eps,
+    )  # fmt: skip
+    got = flags[:, :groups].cpu()
+    assert clear.float().mean() > 0.99
+    assert torch.equal(got[clear], want[clear])
+    kept, levels = want == KEPT_FLAG, KEPT_FLAG - want.long()
+    # the case is one: kept groups, and unkept ones at levels 1, 2, past 16 (a rescue's largest) and the ignored row's
+    assert kept.any() and (levels == 1).any() and (levels == 2).any() and (levels > 16).any()
+    assert (got[5] == 1).all()
 
 
-def rescue_state(mask: torch.Tensor, x: torch.Tensor, rescue: int) -> torch.Tensor:
-    """[row tiles, column blocks]: 1 kept, 2 rescued, 0 skipped, by RESCUE_HASH's rule written out in torch."""
+# --------------------------------------------------------------------------- the rescue: a skipped tile kept one in 2^L
+
+
+def rescue_state(mask: torch.Tensor, x: torch.Tensor, rescue: int, levels: torch.Tensor | None = None) -> torch.Tensor:
+    """[row tiles, column blocks]: 1 kept, 1 + L rescued at level L (the tile's ``levels``, at most log2(rescue);
+    without them the largest), 0 skipped, by RESCUE_HASH's rule written out in torch."""
     columns, block_mul, mixer = RESCUE_HASH["columns"], RESCUE_HASH["block_mul"], RESCUE_HASH["mixer"]
     mask64 = RESCUE_HASH["mask"]
     row_tiles, col_blocks = mask.shape
@@ -204,8 +264,10 @@ def rescue_state(mask: torch.Tensor, x: torch.Tensor, rescue: int) -> torch.Tens
     z = (h[:, None] ^ ((blocks[None, :] * block_mul) & mask64)) & mask64
     for _ in range(RESCUE_HASH["rounds"]):
         z = ((z ^ (z >> 16)) * mixer) & mask64
-    picked = ((z ^ (z >> 16)) & (rescue - 1)) == 0
-    return torch.where(mask, 1, torch.where(picked, 2, 0)).to(torch.uint8)
+    max_level = rescue.bit_length() - 1
+    level = torch.full(mask.shape, max_level) if levels is None else levels.clamp_max(max_level)
+    picked = ((z ^ (z >> 16)) & ((1 << level) - 1)) == 0
+    return torch.where(mask, 1, torch.where(picked, 1 + level, 0)).to(torch.uint8)
 
 
 @pytest.mark.parametrize(
@@ -213,65 +275,69 @@ def rescue_state(mask: torch.Tensor, x: torch.Tensor, rescue: int) -> torch.Tens
     [(64, 512, True), (192, 384, True), (60, 512, False), (64, 500, False)],
     ids=["tma", "tma-narrow", "pointer-x", "pointer-grad"],
 )
-def test_rescued_tiles_count_n_times(hidden, cols, tma):
-    """With a rescue, the kernel's tile states are the hash rule's (checked byte for byte) and grad_weight and
-    grad_bias are fp64's over the kept tiles plus N times the rescued ones, over two chunks."""
-    rescue = 2  # about half the skipped tiles rescued: every launch sees some, and some skipped
+def test_rescued_tiles_count_2_to_their_level_times(hidden, cols, tma):
+    """With a rescue, the kernel's tile states are the hash rule's at each tile's level (checked byte for byte)
+    and grad_weight and grad_bias are fp64's over the kept tiles plus 2^L times the rescued ones, over four
+    chunks."""
+    rescue = 4  # levels 1 and 2 (3 capped to 2): a half and a quarter rescued, some skipped
     scratch = filter_scratch(ROWS, cols, torch.device(DEVICE))
     grad_weight = torch.full((cols, hidden), float("nan"), device=DEVICE)
     grad_bias = torch.zeros(cols, device=DEVICE)
     want_w = torch.zeros(cols, hidden, dtype=torch.float64)
     want_b = torch.zeros(cols, dtype=torch.float64)
     states = []
-    for index, seed in enumerate((0, 1)):
+    for index, seed in enumerate((0, 1, 2, 3)):
         grad, x, mask = chunk_inputs(seed, hidden, cols)
         assert tma_tensors(grad, x) == tma
-        set_flags(scratch, mask, cols)
+        levels = random_levels(mask, seed)
+        set_flags(scratch, mask, cols, levels)
         filtered_weight_grad(grad_weight, grad, x, scratch, first=index == 0, grad_bias=grad_bias, rescue=rescue)
-        state = rescue_state(mask, x, rescue)
+        state = rescue_state(mask, x, rescue, levels)
         assert torch.equal(scratch.kept[: mask.shape[1], : mask.shape[0]].cpu(), state.T)
         states.append(state)
-        scale = torch.where(state == 2, float(rescue), (state == 1).double())
-        part = grad.cpu().double() * expand(scale, cols)
+        part = grad.cpu().double() * expand(tile_scale(state), cols)
         want_w += part.T @ x.cpu().double()
         want_b += part.sum(0)
     both = torch.cat(states)
-    assert (both == 2).any() and (both == 0).any()  # the case is one: some rescued, some still skipped
+    assert (both == 2).any() and (both == 3).any() and (both == 0).any()  # both levels rescued, some skipped
     assert rel_err(grad_weight.cpu().double(), want_w) < TOL
     assert rel_err(grad_bias.cpu().double(), want_b) < TOL
 
 
 def test_the_rescue_is_unbiased_over_the_data():
     """Over draws of x (G and the flags fixed), the rescued estimate of the skipped tiles' grad_bias averages
-    to their part (fp64), within the sampling noise, and about 1 in N of them is rescued."""
-    rescue, rows, cols, draws = 4, 512, 1024, 100
+    to their part (fp64), within the sampling noise, and about one in 2^L of them is rescued at level L."""
+    rescue, rows, cols, draws = 8, 512, 1024, 100
     g = torch.Generator().manual_seed(5)
     grad = torch.rand(rows, cols, generator=g).to(torch.bfloat16).to(DEVICE)
     row_tiles, col_blocks = rows // FILTER_ROWS, cols // FILTER_COLS
     mask = torch.rand(row_tiles, col_blocks, generator=g) < 0.2
+    levels = torch.randint(1, 4, mask.shape, generator=g)
     skipped = expand_to(~mask, rows, cols)
     want = (grad.cpu().double() * skipped).sum(0)
     scratch = filter_scratch(rows, cols, torch.device(DEVICE))
     total, shares = torch.zeros(cols, dtype=torch.float64), []
     for _ in range(draws):
         x = torch.randn(rows, 2, generator=g).to(torch.bfloat16).to(DEVICE)
-        flags = torch.zeros(rows, col_blocks, dtype=torch.uint8)
-        flags[::FILTER_ROWS][mask] = 1
+        flags = (KEPT_FLAG - levels).to(torch.uint8).repeat_interleave(FILTER_ROWS, 0)
+        flags[::FILTER_ROWS][mask] = KEPT_FLAG
         scratch.flags[:rows, :col_blocks].copy_(flags.to(DEVICE))
         grad_bias = torch.zeros(cols, device=DEVICE)
         filtered_weight_grad(None, grad, x, scratch, first=True, grad_bias=grad_bias, rescue=rescue)
         kept_part = (grad.cpu().double() * expand_to(mask, rows, cols)).sum(0)
         total += grad_bias.cpu().double() - kept_part
         state = scratch.kept[:col_blocks, :row_tiles].cpu()
-        shares.append(float((state == 2).sum() / (~mask).sum()))
+        shares.append(float((state.T > 1).sum() / (~mask).sum()))
     mean = total / draws
-    # per column the estimate is a sum of independent N-scaled Bernoulli(1/N) terms: its standard error
-    # over the draws is sqrt((N - 1) * sum(part**2) / draws); 5 of them allowed, in norm
+    # per column the estimate is a sum of independent 2^L-scaled Bernoulli(2^-L) terms: its standard error
+    # over the draws is sqrt(sum((2^L - 1) * part**2) / draws); 5 of them allowed, in norm
     per_tile = (grad.cpu().double() * skipped).view(row_tiles, FILTER_ROWS, cols).sum(1)
-    noise = ((rescue - 1) * (per_tile**2).sum(0) / draws).sqrt()
+    odds = expand_to(2.0**levels - 1, row_tiles * FILTER_ROWS, cols)[::FILTER_ROWS]
+    noise = ((odds * per_tile**2).sum(0) / draws).sqrt()
     assert (mean - want).norm() < 5 * noise.norm()
     assert (mean - want).norm() > 0  # an estimate, not the skipped part itself
-    assert abs(sum(shares) / draws - 1 / rescue) < 0.02
+    expected_share = float((2.0 ** -levels.double())[~mask].mean())
+    assert abs(sum(shares) / draws - expected_share) < 0.02
 
 
 def expand_to(mask: torch.Tensor, rows: int, cols: int) -> torch.Tensor:

@@ -181,7 +181,7 @@ def test_rescue_round_trips_reaches_the_geometry_and_the_call_wins():
     assert policy.resolve(problem, DeviceInfo.synthetic("H100")).grad_weight_filter_rescue is None  # default rule
     assert LossOptions().following(geometry).grad_weight_filter_rescue == 16
     assert LossOptions(grad_weight_filter_rescue=4).following(geometry).grad_weight_filter_rescue == 4
-    assert "rescuing 1 in 16" in geometry.describe()
+    assert "rescuing by level, at least 1 in 16" in geometry.describe()
     with pytest.raises(ValueError, match="needs a grad_weight_filter"):
         Geometry.for_problem(problem, 64, grad_weight_filter_rescue=16)
     with pytest.raises(ValueError, match="needs a grad_weight_filter"):
@@ -217,7 +217,7 @@ def test_explain_and_the_cost_model_show_the_rescue(tmp_path, capsys):
     code, out, _ = run_cli(
         capsys, "explain", "--config", str(path), "--device", "H100", "--vocab", "131072", "--hidden", "4096"
     )
-    assert code == 0 and "except one in 16 of them" in out
+    assert code == 0 and "except one in 2^L of those L octaves below eps (L at most 4" in out
     problem = Problem(tokens=8192, hidden=4096, vocab=131072, dtype="bfloat16")
     plain = Geometry.for_problem(problem, 2048, grad_weight_filter=2.0**-12)
     rescued = Geometry.for_problem(problem, 2048, grad_weight_filter=2.0**-12, grad_weight_filter_rescue=4)

@@ -499,8 +499,8 @@ def build_parser(prog: str) -> Parser:
         "--grad-weight-filter-rescue",
         type=filter_rescue_arg("--grad-weight-filter-rescue"),
         metavar="N",
-        help="with --grad-weight-filter: also write this rescue (a power of two: one skipped tile in N kept, "
-        "counted N times) into the tuned rule",
+        help="with --grad-weight-filter: also write this rescue (a power of two: a skipped tile L octaves below eps "
+        "kept one in 2^L, L at most log2(N), counted 2^L times) into the tuned rule",
     )
     parser.add_argument("--out", required=True, metavar="FILE.yaml", help="the policy file to write")
     parser.add_argument(

@@ -15,7 +15,7 @@ A file reads::
         max_slab: 512MiB     # a strategy's parameters sit beside its name
       - match: "*"
         grad_weight_filter: 2**-12   # optional, here or in default: the grad_weight filter's eps
-        grad_weight_filter_rescue: 16  # optional, with a filter: one skipped tile in 16 kept, counted 16 times
+        grad_weight_filter_rescue: 16  # optional, with a filter: skipped tiles kept one in 2..16 by level (unbiased)
         strategy: free_memory
         cap:                 # a strategy parameter may itself be a strategy mapping
           strategy: heuristic_c

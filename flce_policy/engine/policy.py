@@ -562,7 +562,10 @@ def _filter_note(d: dict[str, Any]) -> str:
     rescued = (
         ""
         if rescue is None
-        else f", except one in {rescue} of them (a hash of the data picks it) counted {rescue} times: unbiased"
+        else (
+            f", except one in 2^L of those L octaves below eps (L at most {rescue.bit_length() - 1}; a hash of "
+            "the data picks them) counted 2^L times: unbiased"
+        )
     )
     return (
         f"grad_weight_filter={eps:g} (from the rule): grad_weight and grad_bias skip the {FILTER_ROWS}x{FILTER_COLS} "

@@ -17,8 +17,9 @@ Terms (seconds), each traced to measurements on the H200 (results/notes/README.m
   the share depends on the logits, 0 by default): the kept share of the GEMM at
   ``filtered_gemm_efficiency`` of the dense rate, plus ``filter_fixed_share`` of it paid whatever is
   kept (listing the kept tiles, writing every block of grad_weight), plus one write and read of the
-  per-row flags; with a rescue N (``geometry.grad_weight_filter_rescue``), 1/N of the skipped share is
-  multiplied after all; the kept share's cost is capped at a dense GEMM's (the kernel hands a chunk with
+  per-row flags; with a rescue N (``geometry.grad_weight_filter_rescue``), at least 1/N of the skipped share
+  is multiplied after all (1/N taken: the share by level depends on the logits); the kept share's
+  cost is capped at a dense GEMM's (the kernel hands a chunk with
   nearly every tile kept to cuBLAS). These are the TMA launch's (Hopper and later); the pointer-based launches that run
   where TMA cannot are slower, not modelled apart;
 - the scaled-exp slab (``geometry.slab_form``): its logits GEMM at ``scaled_exp_gemm_efficiency`` of
@@ -141,7 +142,9 @@ def predict_seconds(
     filtered = geometry.grad_weight_filter is not None
     kept = 1.0 - skipped_share if filtered else 1.0
     if filtered and geometry.grad_weight_filter_rescue is not None:
-        kept += skipped_share / geometry.grad_weight_filter_rescue  # the rescued tiles are multiplied too
+        # the rescued tiles are multiplied too: at least 1/N of the skipped ones (each at most 2^-L of them by its
+        # level L, which the logits decide: the deepest level's share taken, a lower bound)
+        kept += skipped_share / geometry.grad_weight_filter_rescue
     scaled_exp = is_scaled_exp(geometry.slab_form)
     rows = geometry.slab_form == "scaled_exp_rows"
     # two reads and a write of the slab; the scaled-exp slab's partials come from the GEMM: a read and a write,

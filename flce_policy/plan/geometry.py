@@ -50,7 +50,10 @@ class Geometry(BaseModel):
     )
     grad_weight_filter_rescue: int | None = Field(
         default=None,
-        description="N: one in N of the tiles the filter skips kept anyway, counted N times (unbiased); None = none",
+        description=(
+            "N: a tile the filter skips kept anyway with probability 2^-L (L its octaves below eps, at most "
+            "log2(N)), counted 2^L times (unbiased); None = none"
+        ),
     )
     slab_form: Literal["logits", "scaled_exp", "scaled_exp_rows"] = Field(
         default="logits",
@@ -219,7 +222,7 @@ class Geometry(BaseModel):
         if self.grad_weight_filter is not None:
             accum += f", grad_weight filter eps={self.grad_weight_filter:g}"
             if self.grad_weight_filter_rescue is not None:
-                accum += f" rescuing 1 in {self.grad_weight_filter_rescue}"
+                accum += f" rescuing by level, at least 1 in {self.grad_weight_filter_rescue}"
         if self.slab_form != "logits":
             accum += f", {self.slab_form.replace('_', '-')} slab"
         return (

@@ -6,10 +6,14 @@ per-token ``|softmax - onehot(target)|`` is below ``eps`` (the rule and its kern
 :mod:`flce_policy.kernels.weight_grad_filter`). None is the dense path; 0 skips nothing, so it also runs
 the dense path (a call's way to switch off a policy's filter).
 
-``grad_weight_filter_rescue=N`` makes the filter unbiased: of the tiles it would skip, about one in ``N`` is kept
-anyway and its product scaled by ``N`` (a power of two: exact), so grad_weight's expectation is the dense one.
-Which tiles is a hash of the data, not of the position (a row tile is the same sequence positions at every
-step): :data:`RESCUE_HASH` states it; the kernels compute it on the device.
+``grad_weight_filter_rescue=N`` makes the filter unbiased: a tile it would skip is kept anyway with probability
+``2**-L`` and its product counted ``2**L`` times (exact: a power of two), so grad_weight's expectation is the dense
+one. ``L`` is the tile's level: how many octaves its largest per-token ``|softmax - onehot|`` lies below eps,
+``ceil(log2(eps / max))``, at least 1 and at most ``log2(N)``. The tiles just under eps, which carry most of what
+the filter drops, are kept most often (one in two at level 1), the emptiest at most one in N: less noise than one
+in N throughout, for a few more tiles multiplied. Which tiles is a hash of the data, not of the position (a row
+tile is the same sequence positions at every step): :data:`RESCUE_HASH` states it; the kernels compute it on the
+device.
 """
 
 from __future__ import annotations
@@ -23,11 +27,13 @@ __all__ = [
     "DENSE_LOOP_MIN_KEPT",
     "FILTER_COLS",
     "FILTER_ROWS",
+    "KEPT_FLAG",
     "MAX_RESCUE",
     "RESCUE_HASH",
     "check_rescue_has_filter",
     "checked_filter_eps",
     "checked_filter_rescue",
+    "rescue_max_level",
 ]
 
 #: Classes per skip decision: columns of dL/dlogits (rows of grad_weight) per flag.
@@ -47,12 +53,16 @@ DENSE_LOOP_MIN_KEPT = 0.5
 ALL_KEPT_COST = {"tma": 1.10, "tma_narrow": 1.20, "pointer": 1.10}
 #: The largest ``grad_weight_filter_rescue``: one skipped tile in 65536 is as good as none.
 MAX_RESCUE = 2**16
+#: The CE finish kernel's flag byte per token row and FILTER_COLS classes where some column is kept; elsewhere
+#: ``KEPT_FLAG - L``, ``L`` the columns' level (octaves below eps, 1 to KEPT_FLAG - 1), so the largest flag of a
+#: tile's rows is its own flag.
+KEPT_FLAG = 255
 #: The rescue's hash (kernels.weight_grad_filter computes it; tests state it in torch). ``columns`` of x per
 #: row (the first ones): each value as fp32 bits b, folded to ``(b >> 16) ^ (b & 0xFFFF)``, times the odd
 #: weight ``2 * (row * columns + column) + 1``, summed over the row tile's FILTER_ROWS rows (rows past the
 #: chunk read 0) and masked to 31 bits: h. Per column block c: ``z = (h ^ (c * block_mul & MASK)) & MASK``,
-#: then ``rounds`` times ``z = ((z ^ (z >> 16)) * mixer) & MASK``; ``z ^ (z >> 16)`` with its low log2(N)
-#: bits all 0 rescues the tile (skipped ones only). Every intermediate fits int64.
+#: then ``rounds`` times ``z = ((z ^ (z >> 16)) * mixer) & MASK``; ``z ^ (z >> 16)`` with its low L
+#: bits all 0 rescues a tile of level L (skipped ones only). Every intermediate fits int64.
 RESCUE_HASH = dict(columns=2, block_mul=0x1E3779B1, mixer=0x45D9F3B, rounds=2, mask=0x7FFFFFFF)
 #: A power of two as the docs write eps: ``2**-12`` or ``2^-12``.
 _POWER_OF_TWO = re.compile(r"\s*2\s*(?:\*\*|\^)\s*(-?\d+)\s*")
@@ -99,10 +109,15 @@ def checked_filter_rescue(value: Any, name: str = "grad_weight_filter_rescue", *
         raise TypeError(f"{name} must be an int (a power of two in [2, {MAX_RESCUE}]) or None, got {value!r}")
     if not 2 <= value <= MAX_RESCUE or value & (value - 1):
         raise ValueError(
-            f"{name} must be a power of two in [2, {MAX_RESCUE}] (one skipped tile in N kept, scaled by N: exact "
+            f"{name} must be a power of two in [2, {MAX_RESCUE}] (a skipped tile kept at least one in N, counted as "
             f"only for a power of two) or None, got {value}"
         )
     return value
+
+
+def rescue_max_level(rescue: int | None) -> int:
+    """The largest level of rescue N (``log2(N)``; 0 without a rescue): its tiles are kept one in N."""
+    return rescue.bit_length() - 1 if rescue else 0
 
 
 def check_rescue_has_filter(eps: float | None, rescue: int | None, where: str = "") -> None:
