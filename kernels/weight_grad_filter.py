@@ -369,17 +369,18 @@ def _filtered_weight_grad_kernel(
         else:
             listed = tiles_ptr + pid_v * tile_stride
             first_kept = 0
-            # the rescued tiles, listed first by descending level, the sum doubled after each level: level L's
-            # counted 2^L times (exact)
-            for i in range(MAX_LEVEL):
-                level_end = tl.load(ends_ptr + pid_v * MAX_LEVEL + i)
-                acc, bias_acc = _pointer_loop(
-                    grad_ptr, grad_stride, x_ptr, x_stride, listed, first_kept, level_end, acc, bias_acc, cols, hs,
-                    k, col_mask, h_mask, n_rows, HAS_WEIGHT, HAS_BIAS, IEEE, BLOCK_K,
-                )  # fmt: skip
-                acc = acc * 2.0
-                bias_acc = bias_acc * 2.0
-                first_kept = level_end
+            if MAX_LEVEL:  # (without a rescue no loop at all, not one of no trips)
+                # the rescued tiles, listed first by descending level, the sum doubled after each level: level L's
+                # counted 2^L times (exact)
+                for i in range(MAX_LEVEL):
+                    level_end = tl.load(ends_ptr + pid_v * MAX_LEVEL + i)
+                    acc, bias_acc = _pointer_loop(
+                        grad_ptr, grad_stride, x_ptr, x_stride, listed, first_kept, level_end, acc, bias_acc, cols,
+                        hs, k, col_mask, h_mask, n_rows, HAS_WEIGHT, HAS_BIAS, IEEE, BLOCK_K,
+                    )  # fmt: skip
+                    acc = acc * 2.0
+                    bias_acc = bias_acc * 2.0
+                    first_kept = level_end
             acc, bias_acc = _pointer_loop(
                 grad_ptr, grad_stride, x_ptr, x_stride, listed, first_kept, kept, acc, bias_acc, cols, hs, k,
                 col_mask, h_mask, n_rows, HAS_WEIGHT, HAS_BIAS, IEEE, BLOCK_K,
@@ -443,18 +444,19 @@ def _listed_tma_kernel(
     # iteration does not pipeline (1.4x cuBLAS per tile against 1.01x, H200)
     next_tile = tl.load(listed, mask=kept > 0, other=0)
     first_kept = 0
-    # the rescued tiles, listed first by descending level, the sum doubled after each level: level L's counted
-    # 2^L times (exact)
-    for level in range(MAX_LEVEL):
-        level_end = tl.load(ends_ptr + pid_v * MAX_LEVEL + level)
-        for i in tl.range(first_kept, level_end, num_stages=STAGES):
-            next_tile, acc, bias_acc = _tma_step(
-                grad_desc, x_desc, listed, i, kept, next_tile, acc, bias_acc, pid_v, pid_h, HAS_WEIGHT, HAS_BIAS, IEEE,
-                BLOCK_V, BLOCK_H, BLOCK_K,
-            )  # fmt: skip
-        acc = acc * 2.0
-        bias_acc = bias_acc * 2.0
-        first_kept = level_end
+    if MAX_LEVEL:  # (without a rescue no loop at all, not one of no trips: the kept tiles' loop as it was)
+        # the rescued tiles, listed first by descending level, the sum doubled after each level: level L's counted
+        # 2^L times (exact)
+        for level in range(MAX_LEVEL):
+            level_end = tl.load(ends_ptr + pid_v * MAX_LEVEL + level)
+            for i in tl.range(first_kept, level_end, num_stages=STAGES):
+                next_tile, acc, bias_acc = _tma_step(
+                    grad_desc, x_desc, listed, i, kept, next_tile, acc, bias_acc, pid_v, pid_h, HAS_WEIGHT, HAS_BIAS,
+                    IEEE, BLOCK_V, BLOCK_H, BLOCK_K,
+                )  # fmt: skip
+            acc = acc * 2.0
+            bias_acc = bias_acc * 2.0
+            first_kept = level_end
     for i in tl.range(first_kept, kept, num_stages=STAGES):
         next_tile, acc, bias_acc = _tma_step(
             grad_desc, x_desc, listed, i, kept, next_tile, acc, bias_acc, pid_v, pid_h, HAS_WEIGHT, HAS_BIAS, IEEE,
