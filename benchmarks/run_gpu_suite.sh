@@ -85,11 +85,14 @@ while [ $# -gt 0 ]; do
       mkdir -p "$d"
       python3 -m flce_policy.benchmarks.trained_inputs --out "$d" 2>&1 | tee "$d/trained_inputs.log" || status=1
       # issue 26's rows (the floor always runs) on the trained model's held-out inputs, then on random
-      # logits (std 4) of the same shape, where nothing is skippable; time and peak, then the errors
+      # logits (std 4) of the same shape, where nothing is skippable; time and peak, then the errors. Rows
+      # interleaved, each call behind a sleep kernel as in a training step: back to back, the floor alone moved
+      # 8% between two runs of one session (session 17)
       methods=(ours_default_bf16 ours_scaled_exp_bf16 'ours_filter*' liger_c16_bf16 'cce*')
       for inputs in trained random; do
         if [ "$inputs" = trained ]; then pick=(--inputs trained); else pick=(--shapes 16384x1024x131072); fi
-        python3 -m flce_policy.cli bench "${pick[@]}" --methods "${methods[@]}" --out "$d/bench-$inputs" 2>&1 \
+        python3 -m flce_policy.cli bench --busy-start --interleave --repeats 9 "${pick[@]}" --methods "${methods[@]}" \
+          --out "$d/bench-$inputs" 2>&1 \
           | tee "$d/bench-$inputs.log" || status=1
         python3 -m flce_policy.benchmarks.accuracy "${pick[@]}" --methods "${methods[@]}" \
           --out "$d/accuracy-$inputs.json" 2>&1 | tee "$d/accuracy-$inputs.log" || status=1
