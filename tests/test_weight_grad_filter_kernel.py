@@ -53,6 +53,25 @@ def set_flags(scratch, mask: torch.Tensor, cols: int, levels: torch.Tensor | Non
     scratch.flags[:ROWS, : mask.shape[1]].copy_(flags.to(DEVICE))
 
 
+@pytest.mark.parametrize(("rows", "cols"), [(150, 512), (8192, 131072), (100, 509)])
+def test_the_memory_model_counts_the_filter_s_buffers(rows, cols):
+    """What filter_scratch allocates is what the memory model adds to a filtered geometry's peak."""
+    from flce_policy import Geometry, Problem
+    from flce_policy.plan.memory import predict_peak
+    from flce_policy.plan.weight_filter import filter_scratch_bytes
+
+    allocated = sum(t.numel() * t.element_size() for t in filter_scratch(rows, cols, torch.device("meta")))
+    assert allocated == filter_scratch_bytes(rows, cols)
+    geometry = Geometry.for_problem(Problem(tokens=2 * rows, hidden=64, vocab=cols, dtype="bfloat16"), rows)
+    dense = predict_peak(geometry)
+    for eps, extra in ((2.0**-12, allocated), (0.0, 0)):  # eps 0 runs the dense path: no buffers
+        assert predict_peak(geometry.with_filter(eps)).total_bytes - dense.total_bytes == extra
+    assert (
+        predict_peak(geometry.with_filter(2.0**-12), weight_grad=False).total_bytes
+        == predict_peak(geometry, weight_grad=False).total_bytes
+    )  # nor without a weight (or bias) gradient to filter
+
+
 def random_levels(mask: torch.Tensor, seed: int) -> torch.Tensor:
     """Levels 1 to 3 per tile (read for the unkept ones)."""
     return torch.randint(1, 4, mask.shape, generator=torch.Generator().manual_seed(seed))

@@ -14,6 +14,7 @@ from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.problem import DTYPE_ITEMSIZE, Problem, checked_dtype
 from flce_policy.plan.scaled_exp import is_scaled_exp, row_scaled, scaled_exp_scratch_bytes
 from flce_policy.plan.units import format_bytes
+from flce_policy.plan.weight_filter import filter_scratch_bytes
 
 __all__ = ["MemoryEstimate", "predict_peak", "held_beside_slab", "gathered_head_bytes"]
 
@@ -72,6 +73,9 @@ def predict_peak(
         if weight_grad and row_scaled(geometry.slab_form, bias=bias, label_smoothing=0.0, dtype=p.dtype):
             # the row-scaled form's x_c times each row's scale (not allocated with label smoothing)
             loop["scaled_input"] = geometry.chunk_size * p.hidden * p.itemsize
+    if geometry.grad_weight_filter and (weight_grad or bias):
+        # the filter's flags, tile states and lists (eps 0 runs the dense path: none)
+        loop["grad_weight_filter"] = filter_scratch_bytes(geometry.chunk_size, geometry.vocab_chunk)
     layout = accumulator_layout(geometry, input_grad=input_grad, weight_grad=weight_grad)
     if layout.separate:
         # vocab tiles add into grad_input across the tiles; the rows of the fp32 accumulator

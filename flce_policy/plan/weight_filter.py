@@ -33,6 +33,7 @@ __all__ = [
     "check_rescue_has_filter",
     "checked_filter_eps",
     "checked_filter_rescue",
+    "filter_scratch_bytes",
     "rescue_max_level",
 ]
 
@@ -113,6 +114,15 @@ def checked_filter_rescue(value: Any, name: str = "grad_weight_filter_rescue", *
             f"only for a power of two) or None, got {value}"
         )
     return value
+
+
+def filter_scratch_bytes(rows: int, tile_cols: int) -> int:
+    """Bytes of the filter's buffers for chunks of up to ``rows`` rows of a ``tile_cols``-column slab
+    (:func:`flce_policy.kernels.weight_grad_filter.filter_scratch` allocates them): a flag byte per row and
+    ``FILTER_COLS`` classes; per tile a state byte and a listed row tile (int32); per column block a count and the
+    end of each rescue level (int32)."""
+    col_blocks, row_tiles = -(-tile_cols // FILTER_COLS), -(-rows // FILTER_ROWS)
+    return rows * col_blocks + col_blocks * row_tiles * (1 + 4) + col_blocks * 4 * (1 + rescue_max_level(MAX_RESCUE))
 
 
 def rescue_max_level(rescue: int | None) -> int:
