@@ -497,6 +497,43 @@ def test_filter_keeps_the_tiles_fp64_keeps(form):
     assert rel_l2(filtered[2]["w"], (grad * mask).T @ t["x"].double()) < GRAD_TOL
 
 
+@pytest.mark.parametrize("form", FORMS)
+def test_the_flags_carry_each_group_s_level_below_eps(form, monkeypatch):
+    """Beside keep-or-not, each row's flag per 128 classes carries the level of its largest |p - onehot| below eps
+    (KEPT_FLAG - ceil(log2(eps / it)), at least 1; the rescue's input): on the row-scaled form from the GEMM's row
+    maxima, per tile from the finish's pass. The last chunk's flags (rows 128-149) against fp64's, octave ties within
+    1e-4 left out."""
+    from flce_policy.kernels import driver
+    from flce_policy.plan.weight_filter import FILTER_COLS, KEPT_FLAG
+
+    scratches = []
+
+    def keep_scratch(call, rows, cols):
+        scratches.append(driver_scratch(call, rows, cols))
+        return scratches[-1]
+
+    driver_scratch = driver.filter_scratch_for
+    monkeypatch.setattr(driver, "filter_scratch_for", keep_scratch)
+    eps, first, groups = 2.0**-8, 2 * CHUNK, -(-V // FILTER_COLS)
+    t = _peaked(seed=11)
+    run(t, geometry(form), grad_weight_filter=eps)
+    got = scratches[-1].flags[: BT - first, :groups].cpu()
+    z = (t["x"].double() @ t["w"].double().T)[first:].cpu()
+    y = t["y"][first:].cpu()
+    valid = y != -100
+    onehot = F.one_hot(y.clamp_min(0), V).double() * valid[:, None]
+    deviation = (z.softmax(-1) - onehot).abs() * valid[:, None]
+    top = F.pad(deviation, (0, groups * FILTER_COLS - V)).view(len(y), groups, FILTER_COLS).amax(-1)
+    has_target = (F.pad(onehot, (0, groups * FILTER_COLS - V)).view(len(y), groups, FILTER_COLS) > 0).any(-1)
+    gap = torch.log2(eps / top)
+    kept = (top >= eps) | has_target
+    want = torch.where(kept, KEPT_FLAG, KEPT_FLAG - gap.ceil().clamp(1, KEPT_FLAG - 1)).to(torch.uint8)
+    clear = kept | ((gap - gap.round()).abs() > 1e-4) | (gap > KEPT_FLAG)
+    assert clear.float().mean() > 0.95
+    assert torch.equal(got[clear], want[clear])
+    assert len(torch.unique(want[~kept])) >= 4  # the case is one: several levels, the ignored rows' among them
+
+
 def test_a_fitted_chunk_on_the_row_scaled_slab_against_fp64():
     """``Fastest(slab_form=..., chunk_multiple=...)`` under a peak that no power of two fills: the loss runs its
     pick (a row count that is neither a power of two nor a multiple of the GEMM's 128-row tile) as fp64 says."""
