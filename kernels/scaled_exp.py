@@ -177,9 +177,10 @@ def _scaled_exp_gemm_kernel(
             tl.store(partials_ptr + 2 * plane + slot, lower_max, mask=row_ok)
             tl.store(partials_ptr + 3 * plane + slot, upper_max, mask=row_ok)
         if ROW_SHIFT:
-            # a row whose logits lie more than SHIFT_LIMIT above its target's: the chunk is redone per tile
-            over = tile_sum > _SHIFT_LIMIT_EXP
-            tl.store(redo_ptr, 1, mask=tl.max(over.to(tl.int32), axis=0) > 0)
+            # a row whose logits lie more than SHIFT_LIMIT above its target's: the chunk is redone per tile. Each
+            # such row writes the flag itself (the same 1: no race that matters); a max over the tile's rows first
+            # would be a reduction across warps, through shared memory and a barrier, in every tile's epilogue
+            tl.store(redo_ptr + 0 * rows, 1, mask=row_ok & (tile_sum > _SHIFT_LIMIT_EXP))
         tl.store(partials_ptr + slot, m, mask=row_ok)
         tl.store(partials_ptr + plane + slot, tile_sum, mask=row_ok)
         if IEEE:  # the interpreter truncates a cast to bf16: round to nearest first, as the GPU's cast does
