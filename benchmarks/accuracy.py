@@ -34,6 +34,7 @@ DEFAULT_METHODS = (
     "ours_scaled_exp_fp32",
     "ours_scaled_exp_rows_bf16",
     "ours_scaled_exp_rows_fp32",
+    "ours_scaled_exp_ws_bf16",
     "liger_c16_bf16",
     "liger_c1_bf16",
     "quack",

@@ -67,6 +67,7 @@ FIXED_FAMILIES = {
     "logits": "ours fixed",
     "scaled_exp": "ours fixed scaled-exp",
     "scaled_exp_rows": "ours fixed scaled-exp rows",
+    "scaled_exp_ws": "ours fixed scaled-exp ws",
 }
 #: The peak limit of the lean Fastest row: under liger-kernel fp32 (8.20 GiB at 32768x5376x262144)
 #: by 5 GiB, and within it the two bf16 gradients (2.95 GiB there) and a 256 MiB slab.
@@ -270,9 +271,9 @@ def _vocab_tiled_for_inputs(vocab_chunk: int, inputs: Inputs) -> Geometry:
     return _vocab_tiled_plan(vocab_chunk, problem, DeviceInfo.cpu())
 
 
-def scaled_exp_policy(policy: Any, *, rows: bool = False) -> Any:
+def scaled_exp_policy(policy: Any, *, rows: bool = False, warp_specialised: bool = False) -> Any:
     """``policy`` with every rule's strategy (and the default's) wrapped in ``scaled_exp`` where it is not already,
-    each with ``rows`` (the row-scaled form where the call allows)."""
+    each with ``rows`` (the row-scaled form where the call allows) and ``warp_specialised`` (its Gluon GEMM)."""
     from flce_policy import FLCEPolicy
     from flce_policy.engine.config import RULE_KEYS
 
@@ -284,7 +285,9 @@ def scaled_exp_policy(policy: Any, *, rows: bool = False) -> Any:
             entry["strategy"] = "scaled_exp"
             entry["inner"] = inner
         entry["rows"] = rows
+        entry["warp_specialised"] = warp_specialised
     form = "the row-scaled form" if rows else "the scaled-exp slab"
+    form = "the warp-specialised row-scaled form" if warp_specialised else form
     return FLCEPolicy.from_dict(config, source=f"{policy.source}, each strategy on {form}")
 
 
@@ -374,8 +377,9 @@ def default_methods(
     # The scaled-exp slab (issue 25) at the default policy's chunks (each rule's strategy wrapped), with bf16 and
     # fp32 grad_weight accumulation (the target's one-hot term goes beside an fp32 one: kernels/target_grad.py)
     # (and _rows: its row-scaled form where the call allows, no CE pass over the slab)
-    for suffix, rows in (("", False), ("_rows", True)):
-        scaled_exp = scaled_exp_policy(policy, rows=rows)
+    # (and _ws: that with the warp-specialised Gluon GEMM on Hopper)
+    for suffix, rows, ws in (("", False, False), ("_rows", True, False), ("_ws", True, True)):
+        scaled_exp = scaled_exp_policy(policy, rows=rows, warp_specialised=ws)
         for accum, dtype in _ACCUM_DTYPES.items():
             methods.append(
                 Method(

@@ -59,19 +59,25 @@ _PARTIALS = 6  # m, d, sum_wz, sum_w, best, z_y (planes 0-5); plane 6, sum(exp(z
 
 
 def ce_workspace(
-    rows: int, tile_cols: int, device: torch.device, *, entropy: bool = False, scaled_exp: bool = False
+    rows: int,
+    tile_cols: int,
+    device: torch.device,
+    *,
+    entropy: bool = False,
+    scaled_exp: bool = False,
+    slot_cols: int = SCALED_EXP_TILE,
 ) -> CEWorkspace:
     """Segment plan and scratch for chunks of up to ``rows`` rows, in tiles of up to ``tile_cols`` columns.
 
     ``entropy`` adds the plane of the entropy partial sums. ``scaled_exp``: for a slab of
-    :func:`flce_policy.kernels.scaled_exp.scaled_exp_logits` (one slot per column tile of its GEMM, one
-    finish program per row: each merges the row's slots once).
+    :func:`flce_policy.kernels.scaled_exp.scaled_exp_logits` (one slot per column tile of its GEMM, of
+    ``slot_cols`` columns; one finish program per row: each merges the row's slots once).
     """
     block_v = min(triton.next_power_of_2(tile_cols), MAX_BLOCK_V)
     blocks = triton.cdiv(tile_cols, block_v)
     planes = _PARTIALS + 1 if entropy else _PARTIALS
     if scaled_exp:
-        segments, segment_len, slots = 1, blocks * block_v, scaled_exp_slots(tile_cols)
+        segments, segment_len, slots = 1, blocks * block_v, scaled_exp_slots(tile_cols, slot_cols)
     else:
         # Each segment keeps >= 2 blocks so its loop still pipelines loads.
         wanted = triton.next_power_of_2(triton.cdiv(TARGET_PROGRAMS, rows))
@@ -86,7 +92,7 @@ def ce_workspace(
     target_coef, row_shift, row_scale = torch.empty((3, rows), dtype=torch.float32, device=device)
     redo = torch.empty(1, dtype=torch.int32, device=device)
     return CEWorkspace(
-        block_v, segments, segment_len, slots, partials, best_index, SCALED_EXP_TILE, target_coef, row_shift,
+        block_v, segments, segment_len, slots, partials, best_index, slot_cols, target_coef, row_shift,
         row_scale, redo,
     )  # fmt: skip
 
@@ -279,6 +285,8 @@ def _ce_finish_kernel(
     target_coef_ptr=None,
     row_scale_ptr=None,
     redo_ptr=None,
+    row_shift_ptr=None,
+    slot_stride=0,
     ROW_SCALED: tl.constexpr = False,
     REDO_ONLY: tl.constexpr = False,
 ):
@@ -326,8 +334,14 @@ def _ce_finish_kernel(
         # Merge the row's partial log-sum-exps: lse = M + log(sum_s d_s * exp(m_s - M)).
         # Slots past num_segments pad NUM_SLOTS to a power of two and are never written: read as neutral.
         live = tl.arange(0, NUM_SLOTS) < num_segments
-        slots = row * NUM_SLOTS + tl.arange(0, NUM_SLOTS)
-        m_s = tl.load(partials_ptr + slots, mask=live, other=-float("inf"))
+        if ROW_SCALED:
+            # the row-scaled GEMM's slots are slot-major (one tile's rows side by side: its epilogue's stores
+            # coalesce), each referenced to the row's shift, which it does not store
+            slots = tl.arange(0, NUM_SLOTS) * slot_stride + row
+            m_s = tl.where(live, tl.load(row_shift_ptr + row), -float("inf"))
+        else:
+            slots = row * NUM_SLOTS + tl.arange(0, NUM_SLOTS)
+            m_s = tl.load(partials_ptr + slots, mask=live, other=-float("inf"))
         d_s = tl.load(partials_ptr + plane + slots, mask=live, other=0.0)
         m = tl.max(m_s, axis=0)
         lse = m + tl.log(tl.sum(d_s * tl.exp(m_s - m), axis=0))
@@ -395,14 +409,18 @@ def _ce_finish_kernel(
                 # no pass over a row-scaled slab (the GEMMs scale its rows): a filter's flags from the row maxima
                 # of exp(z - m) per half tile that the GEMM's epilogue wrote (m the row's shift): p = that times
                 # exp(m - lse)
-                tl.static_assert(SCALED_EXP_TILE == 2 * FLAG_COLS, "two flags per partial slot")
-                # all the row's slots in one vector per half (one finish program per row): a loop over blocks of
+                GROUPS_PER_SLOT: tl.constexpr = SCALED_EXP_TILE // FLAG_COLS
+                tl.static_assert(GROUPS_PER_SLOT * FLAG_COLS == SCALED_EXP_TILE, "whole flags per partial slot")
+                tl.static_assert(GROUPS_PER_SLOT <= 2, "the GEMM writes at most two maxima per slot")
+                # all the row's slots in one vector per part (one finish program per row): a loop over blocks of
                 # 32 flags was latency-bound, ~40 us per 4096-row chunk at 151936 classes (H200, session 15)
                 slot = tl.arange(0, NUM_SLOTS)
-                for half in tl.static_range(2):
-                    group = 2 * slot + half
+                for part in tl.static_range(GROUPS_PER_SLOT):
+                    group = GROUPS_PER_SLOT * slot + part
                     inside = (group * FLAG_COLS >= col_start) & (group * FLAG_COLS < col_stop)
-                    e_max = tl.load(partials_ptr + (2 + half) * plane + row * NUM_SLOTS + slot, mask=inside, other=0.0)
+                    e_max = tl.load(
+                        partials_ptr + (2 + part) * plane + slot * slot_stride + row, mask=inside, other=0.0
+                    )
                     keep = (e_max * tl.exp(m - lse) >= filter_eps) | (group == local_target // FLAG_COLS)
                     log2_top = tl.log2(e_max) + (m - lse) * 1.4426950408889634
                     codes = flag_codes(keep, log2_top, filter_log2_eps)
@@ -594,6 +612,8 @@ def ce_finish(
         target_coef_ptr=ws.target_coef,
         row_scale_ptr=ws.row_scale if row_scaled or redo else None,
         redo_ptr=ws.redo if redo else None,
+        row_shift_ptr=ws.row_shift if row_scaled else None,
+        slot_stride=ws.partials.shape[1],
         ROW_SCALED=row_scaled,
         REDO_ONLY=redo,
         HAS_Z_LOSS=z_loss_rows is not None,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from flce_policy.plan.geometry import Geometry
-from flce_policy.plan.scaled_exp import is_scaled_exp
+from flce_policy.plan.scaled_exp import is_scaled_exp, slot_tile
 from flce_policy.plan.scaled_exp import row_scaled as row_scaled_form
 
 from .ce_kernel import ce_rows, ce_workspace
@@ -108,9 +108,6 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
     tokens, chunk_size = x.shape[0], geometry.chunk_size
     slab = torch.empty((chunk_size, geometry.vocab_chunk), dtype=x.dtype, device=x.device)
     scaled_exp = is_scaled_exp(geometry.slab_form)  # the logits GEMM's epilogue fills the partials
-    workspace = ce_workspace(
-        chunk_size, geometry.vocab_chunk, x.device, entropy=entropy_rows is not None, scaled_exp=scaled_exp
-    )
     # the scaled-exp slab's row-scaled form: no pass rewrites the slab, the backward GEMMs scale its rows
     row_scaled = (
         scaled_exp
@@ -121,6 +118,14 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
             label_smoothing=params.label_smoothing,
             dtype=geometry.problem.dtype,
         )
+    )
+    workspace = ce_workspace(
+        chunk_size,
+        geometry.vocab_chunk,
+        x.device,
+        entropy=entropy_rows is not None,
+        scaled_exp=scaled_exp,
+        slot_cols=slot_tile(geometry.slab_form, row_scaled_chunks=row_scaled),
     )
     x_scaled = torch.empty_like(x[:chunk_size]) if row_scaled and grad_weight is not None else None
     weight_t = weight.t()

@@ -20,8 +20,10 @@ class CEWorkspace(NamedTuple):
     segments_per_tile: int
     segment_len: int  # columns per segment, a multiple of block_v
     slots: int  # partial slots per row: segments_per_tile (or scaled-exp column tiles) padded to a power of two
-    partials: torch.Tensor  # [planes (ce_kernel._PARTIALS, +1 with entropy), rows, slots] fp32; z_y at slot 0 only
-    best_index: torch.Tensor  # [rows, slots] int32
+    #: [planes (ce_kernel._PARTIALS, +1 with entropy), rows, slots] fp32; z_y at slot 0 only. A row-scaled chunk's
+    #: GEMM writes each plane slot-major instead (slot s of row r at ``s * rows + r``; no ``m``: the row's shift)
+    partials: torch.Tensor
+    best_index: torch.Tensor  # [rows, slots] int32 (slot-major as the planes in a row-scaled chunk)
     #: 0: the slab holds logits, a partial pass fills the slots. Else the slab holds exp(z - m) per column tile of
     #: this width, one slot per tile, filled by the logits GEMM (flce_policy.kernels.scaled_exp).
     scaled_exp_tile: int = 0

@@ -36,8 +36,11 @@ import torch
 import triton
 import triton.language as tl
 
-from flce_policy.plan.scaled_exp import SCALED_EXP_TILE
+from flce_policy.plan.scaled_exp import SHIFT_LIMIT as SHIFT_LIMIT_NATS
+from flce_policy.plan.scaled_exp import SHIFT_LIMIT_EXP, WS_COMPUTE_CAPABILITY, WS_TILE
+from flce_policy.plan.weight_filter import FILTER_COLS
 
+from .gluon_exp_gemm import gluon_available, row_scaled_exp_gemm
 from .interpreter import KERNELS_INTERPRETED
 from .rounding import rounded
 from .row_partials import CEWorkspace
@@ -45,24 +48,28 @@ from .tma import TensorDescriptor
 
 __all__ = ["scaled_exp_logits"]
 
-#: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages): the fastest with this epilogue of sweeps at the small
-#: heads' chunks on the H200 (results/2026-12-01-small-heads/h200-persistent-tma.log; GROUP_M 16 over 8: 1-3%
-#: in a sweep of 2026-12-02, results/2026-12-02-h200-scaled-exp/); BLOCK_N is the plan's tile.
-_LAUNCH = (128, SCALED_EXP_TILE, 64, 16, 8, 3)
-#: The row-scaled form's limit on ``max(z) - z_y`` (nats): ``exp`` of it times V times a weight stays far inside
-#: bf16 and fp32 in the GEMMs that read the slab; a row past it (a loss of > 64 nats on a token) makes the chunk
-#: run per tile, which rewrites its slab and partials (what the row-scaled pass left there, up to ``inf``, is
-#: never read).
-SHIFT_LIMIT = tl.constexpr(64.0)
-#: ``exp(SHIFT_LIMIT)``: a tile's row sum of exponentials above it flags the chunk. A row with one exponential
-#: over it has such a sum, so none over the limit is missed; a row whose maximum lies up to ``log(BLOCK_N)``
-#: under the limit may be flagged too (redone per tile: the same result, later).
-_SHIFT_LIMIT_EXP = tl.constexpr(6.235149080811617e27)
+#: (BLOCK_M, BLOCK_K, GROUP_M, warps, stages): the fastest with this epilogue of sweeps at the small heads'
+#: chunks on the H200 (results/2026-12-01-small-heads/h200-persistent-tma.log; GROUP_M 16 over 8: 1-3% in a
+#: sweep of 2026-12-02, results/2026-12-02-h200-scaled-exp/); BLOCK_N is the workspace's slot, the plan's tile.
+_LAUNCH = (128, 64, 16, 8, 3)
+#: Columns per grad_weight filter flag: a tile's row maxima are taken per group of them.
+_FLAG_COLS = tl.constexpr(FILTER_COLS)
+#: The row-scaled form's limit on ``max(z) - z_y`` and its sum of exponentials (see the plan's constants).
+SHIFT_LIMIT = tl.constexpr(SHIFT_LIMIT_NATS)
+_SHIFT_LIMIT_EXP = tl.constexpr(SHIFT_LIMIT_EXP)
 _LOG2E = tl.constexpr(1.4426950408889634)
 #: Rows and hidden columns per step of the target-logit kernel.
 _TARGET_ROWS, _TARGET_HIDDEN = 16, 128
 #: Programs of the persistent grid under the interpreter (the GPU runs one per SM).
 _INTERPRETED_PROGRAMS = 4
+
+
+@functools.cache
+def _runs_gluon(device: torch.device) -> bool:
+    """Whether ``device`` runs the Gluon GEMM: a Hopper GPU (sm_90), not under the interpreter."""
+    if KERNELS_INTERPRETED or device.type != "cuda" or not gluon_available():
+        return False
+    return torch.cuda.get_device_capability(device) == WS_COMPUTE_CAPABILITY
 
 
 @functools.cache
@@ -82,6 +89,7 @@ def _scaled_exp_gemm_kernel(
     partials_ptr,
     best_index_ptr,
     plane,
+    slot_stride,
     shift_ptr,
     redo_ptr,
     n_rows,
@@ -135,7 +143,10 @@ def _scaled_exp_gemm_kernel(
         # Columns past V hold z = 0 (TMA reads zeros there, the bias is masked): a sum of z or of z * weight is
         # right as it is; the max, the exponentials and the argmax see -inf there. Only the accumulator is kept
         # live over the epilogue (128 fp32 registers per thread: a second such tile spills).
-        slot = rows.to(tl.int64) * NUM_SLOTS + pid_n
+        if ROW_SHIFT:  # slot-major: the tile's rows side by side, so each store below coalesces
+            slot = pid_n.to(tl.int64) * slot_stride + rows
+        else:
+            slot = rows.to(tl.int64) * NUM_SLOTS + pid_n
         if HAS_SMOOTHING:
             no_rows = tl.zeros([BLOCK_M], dtype=tl.float32)
             if HAS_WEIGHT:
@@ -172,16 +183,21 @@ def _scaled_exp_gemm_kernel(
             # tile), in the smoothing planes, which the row-scaled form leaves unused; the CE finish flags from them.
             # Taken from e, where the accumulator is no longer live: from z beside it the epilogue needed 252
             # registers against 181 (Triton 3.6, sm_90, V a multiple of 256) and Triton 3.9 spilled where V is not
-            # (results/notes/2026-12-02-sm90-register-check*; not timed)
-            lower_max, upper_max = tl.split(tl.max(tl.reshape(e, (BLOCK_M, 2, BLOCK_N // 2)), axis=2))
-            tl.store(partials_ptr + 2 * plane + slot, lower_max, mask=row_ok)
-            tl.store(partials_ptr + 3 * plane + slot, upper_max, mask=row_ok)
+            # (results/notes/2026-12-02-sm90-register-check*; not timed). A 128-column tile is one flag group.
+            if BLOCK_N == 2 * _FLAG_COLS:
+                lower_max, upper_max = tl.split(tl.max(tl.reshape(e, (BLOCK_M, 2, BLOCK_N // 2)), axis=2))
+                tl.store(partials_ptr + 2 * plane + slot, lower_max, mask=row_ok)
+                tl.store(partials_ptr + 3 * plane + slot, upper_max, mask=row_ok)
+            else:
+                tl.static_assert(BLOCK_N == _FLAG_COLS, "one or two flag groups per tile")
+                tl.store(partials_ptr + 2 * plane + slot, tl.max(e, axis=1), mask=row_ok)
         if ROW_SHIFT:
             # a row whose logits lie more than SHIFT_LIMIT above its target's: the chunk is redone per tile. Each
             # such row writes the flag itself (the same 1: no race that matters); a max over the tile's rows first
             # would be a reduction across warps, through shared memory and a barrier, in every tile's epilogue
             tl.store(redo_ptr + 0 * rows, 1, mask=row_ok & (tile_sum > _SHIFT_LIMIT_EXP))
-        tl.store(partials_ptr + slot, m, mask=row_ok)
+        if not ROW_SHIFT:  # (the row-scaled finish reads the row's shift itself)
+            tl.store(partials_ptr + slot, m, mask=row_ok)
         tl.store(partials_ptr + plane + slot, tile_sum, mask=row_ok)
         if IEEE:  # the interpreter truncates a cast to bf16: round to nearest first, as the GPU's cast does
             e = rounded(e, out_desc.dtype)
@@ -242,8 +258,9 @@ def scaled_exp_logits(
     checked here: a geometry has this slab form only where :mod:`flce_policy.plan.scaled_exp` says it can run."""
     n_rows, hidden = x_chunk.shape
     n_cols = weight.shape[0]
-    block_m, block_n, block_k, group_m, num_warps, num_stages = _LAUNCH
+    block_m, block_k, group_m, num_warps, num_stages = _LAUNCH
     ws = workspace
+    block_n = ws.scaled_exp_tile
     if not redo:
         # z_y apart: picked out of the GEMM's tile it cost the epilogue 9-15% at the small heads (H200, 4096-row
         # chunks, proto sweep of 2026-12-02); a dot of two rows in fp32 is the same value up to summation order
@@ -252,6 +269,14 @@ def scaled_exp_logits(
             ws.partials.stride(1), ws.row_shift, ws.redo, n_rows, n_cols, hidden, ignore_index,
             HAS_BIAS=bias is not None, ROW_SHIFT=row_scaled, BLOCK_R=_TARGET_ROWS, BLOCK_H=_TARGET_HIDDEN,
         )  # fmt: skip
+    if row_scaled and not (track_argmax or entropy) and block_n == WS_TILE and _runs_gluon(slab.device):
+        # "scaled_exp_ws": the warp-specialised GEMM, the same slab and slots (the argmax and the entropy's sums
+        # it does not compute: such calls run this Triton GEMM in its tiles)
+        maxima = ws.partials[2].view(-1) if flag_maxima else None
+        row_scaled_exp_gemm(
+            x_chunk, weight, slab, ws.row_shift, ws.partials[1].view(-1), ws.partials.shape[1], ws.redo, maxima
+        )
+        return
     programs = min(_programs(slab.device), triton.cdiv(n_rows, block_m) * triton.cdiv(n_cols, block_n))
     _scaled_exp_gemm_kernel[(programs,)](
         TensorDescriptor.from_tensor(x_chunk, [block_m, block_k]),
@@ -262,6 +287,7 @@ def scaled_exp_logits(
         ws.partials,
         ws.best_index,
         ws.partials.stride(0),
+        ws.partials.shape[1],
         ws.row_shift,
         ws.redo,
         n_rows,

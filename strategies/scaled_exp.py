@@ -26,14 +26,22 @@ class ScaledExp(ChunkStrategy):
     smoothing the slab holds ``exp(z - z_y)`` per row and no CE pass rewrites it (the backward GEMMs scale its
     rows; :func:`flce_policy.plan.scaled_exp.row_scaled`).
 
-    YAML: ``{strategy: scaled_exp, inner: {strategy: slab_budget, max_slab: 2GiB}}`` (and ``rows: true``).
+    With ``warp_specialised=True`` too (it needs ``rows``) the slab form is ``"scaled_exp_ws"``: the row-scaled
+    form whose logits GEMM is a warp-specialised Gluon kernel on Hopper (sm_90; a later GPU runs
+    ``"scaled_exp_rows"``).
+
+    YAML: ``{strategy: scaled_exp, inner: {strategy: slab_budget, max_slab: 2GiB}}`` (and ``rows: true``,
+    ``warp_specialised: true``).
     """
 
     name = "scaled_exp"
 
-    def __init__(self, inner: ChunkStrategy | dict[str, Any], rows: bool = False) -> None:
+    def __init__(
+        self, inner: ChunkStrategy | dict[str, Any], rows: bool = False, warp_specialised: bool = False
+    ) -> None:
         self.inner = inner
         self.rows = rows
+        self.warp_specialised = warp_specialised
 
     def validate_params(self) -> None:
         if self.inner is None:
@@ -42,6 +50,17 @@ class ScaledExp(ChunkStrategy):
             )
         if not isinstance(self.rows, bool):
             raise StrategyError(f"scaled_exp: rows must be true or false, got {self.rows!r}", param="rows")
+        if not isinstance(self.warp_specialised, bool):
+            raise StrategyError(
+                f"scaled_exp: warp_specialised must be true or false, got {self.warp_specialised!r}",
+                param="warp_specialised",
+            )
+        if self.warp_specialised and not self.rows:
+            raise StrategyError(
+                "scaled_exp: warp_specialised: true needs rows: true (the warp-specialised GEMM is the row-scaled "
+                "form's)",
+                param="warp_specialised",
+            )
         validate_nested(self, "inner")
         if nested_strategy(self, "inner").dynamic:  # type: ignore[union-attr]
             raise StrategyError(
@@ -56,7 +75,8 @@ class ScaledExp(ChunkStrategy):
     def geometry(self, problem: Problem, device: DeviceInfo, *, rule: str | None = None) -> Geometry:
         self.validate_params()
         inner = checked_geometry(nested_strategy(self, "inner"), problem, device, rule=rule)  # type: ignore[arg-type]
-        form = runnable_slab_form("scaled_exp_rows" if self.rows else "scaled_exp", problem, inner.vocab_chunk, device)
+        wanted = "scaled_exp_ws" if self.warp_specialised else "scaled_exp_rows" if self.rows else "scaled_exp"
+        form = runnable_slab_form(wanted, problem, inner.vocab_chunk, device)
         return inner.with_slab_form(form).with_origin(strategy=repr(self))
 
     def to_config(self) -> dict[str, Any]:
@@ -66,5 +86,9 @@ class ScaledExp(ChunkStrategy):
 
 
 def on_slab_form(strategy: ChunkStrategy, slab_form: str) -> ChunkStrategy:
-    """``strategy``, wrapped in ``scaled_exp`` for a scaled-exp slab form (``rows`` for the row-scaled one)."""
-    return ScaledExp(strategy, rows=slab_form == "scaled_exp_rows") if is_scaled_exp(slab_form) else strategy
+    """``strategy``, wrapped in ``scaled_exp`` for a scaled-exp slab form (``rows`` for the row-scaled ones,
+    ``warp_specialised`` for ``"scaled_exp_ws"``)."""
+    if not is_scaled_exp(slab_form):
+        return strategy
+    ws = slab_form == "scaled_exp_ws"
+    return ScaledExp(strategy, rows=ws or slab_form == "scaled_exp_rows", warp_specialised=ws)

@@ -458,6 +458,8 @@ ALL_NAMES = [
     "ours_scaled_exp_fp32",
     "ours_scaled_exp_rows_bf16",
     "ours_scaled_exp_rows_fp32",
+    "ours_scaled_exp_ws_bf16",
+    "ours_scaled_exp_ws_fp32",
     *(f"ours_filter{n}_bf16" for n in (12, 13, 14, 16)),
     "ours_filter12_rescue16_bf16",
     "ours_filter13_rescue16_bf16",

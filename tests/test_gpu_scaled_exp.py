@@ -40,7 +40,7 @@ def test_errors_against_fp32_beside_the_logits_slab():
     x, w, y = make_inputs(BT, H, V, torch.bfloat16)
     ref_loss, ref_gx, ref_gw = chunked_fp32_reference(x, w, y)
     errors = {}
-    for form in ("logits", "scaled_exp", "scaled_exp_rows"):
+    for form in ("logits", "scaled_exp", "scaled_exp_rows", "scaled_exp_ws"):
         loss, gx, gw, _ = _call(x, w, y, form)
         errors[form] = {
             "loss": abs(loss.item() - ref_loss.item()),
@@ -52,7 +52,7 @@ def test_errors_against_fp32_beside_the_logits_slab():
         with open(report, "a") as f:
             f.write(json.dumps({"test": "scaled_exp_accuracy", "shape": [BT, H, V], **errors}) + "\n")
     print(json.dumps(errors))
-    for form in ("scaled_exp", "scaled_exp_rows"):
+    for form in ("scaled_exp", "scaled_exp_rows", "scaled_exp_ws"):
         for name in ("grad_input", "grad_weight"):
             assert errors[form][name] < errors["logits"][name], (form, name)
         assert errors[form]["loss"] <= errors["logits"]["loss"] + 1e-4, form
@@ -80,3 +80,34 @@ def test_extras_against_fp32_beside_the_logits_slab(form):
     assert errors[form] <= errors["logits"]
     torch.testing.assert_close(scaled.entropy.float(), want_entropy, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(scaled.z_loss.float(), want_z_loss, rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs sm_90 (Gluon)"
+)
+@pytest.mark.parametrize("filtered", [False, True])
+def test_the_gluon_gemm_gives_its_triton_stand_in_s_results(monkeypatch, filtered):
+    """"scaled_exp_ws" on Hopper runs the Gluon GEMM; its Triton stand-in (the same 128-column slots, slot-major)
+    runs where Gluon does not. The slab is the same fma and exp2 of the same products: the loss and grad_input
+    agree to fp32 summation order, grad_weight too (and, filtered, the same tiles skipped)."""
+    import flce_policy.kernels.gluon_exp_gemm as gluon_module
+    import flce_policy.kernels.scaled_exp as scaled_exp_module
+
+    x, w, y = make_inputs(BT, H, V, torch.bfloat16)
+    options = {"grad_weight_filter": 2.0**-12} if filtered else {}
+    calls = []
+    real = gluon_module.row_scaled_exp_gemm
+
+    def counting(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(scaled_exp_module, "row_scaled_exp_gemm", counting)
+    gluon = _call(x, w, y, "scaled_exp_ws", **options)
+    assert len(calls) == BT // CHUNK  # every chunk's GEMM was the Gluon kernel
+    monkeypatch.setattr(scaled_exp_module, "_runs_gluon", lambda device: False)
+    triton_path = _call(x, w, y, "scaled_exp_ws", **options)
+    assert len(calls) == BT // CHUNK
+    assert abs(gluon[0].item() - triton_path[0].item()) <= 1e-6 * abs(triton_path[0].item())
+    for got, want, name in zip(gluon[1:3], triton_path[1:3], ("grad_input", "grad_weight")):
+        assert rel_l2(got, want.float()) < 1e-3, name

@@ -111,8 +111,10 @@ CASES = {
 }
 
 
-#: Both scaled-exp forms: per column tile, and per row where the call allows (no bias or label smoothing).
-FORMS = ("scaled_exp", "scaled_exp_rows")
+#: The scaled-exp forms: per column tile, and per row where the call allows (no bias or label smoothing), that
+#: last also with the warp-specialised GEMM (on a CPU its Triton stand-in: the same 128-column slots, slot-major).
+FORMS = ("scaled_exp", "scaled_exp_rows", "scaled_exp_ws")
+ROW_FORMS = ("scaled_exp_rows", "scaled_exp_ws")
 
 
 def _runs_row_scaled(case: str) -> bool:
@@ -122,7 +124,8 @@ def _runs_row_scaled(case: str) -> bool:
 
 @pytest.mark.parametrize(
     ("case", "form"),
-    [(case, "scaled_exp") for case in CASES] + [(case, "scaled_exp_rows") for case in CASES if _runs_row_scaled(case)],
+    [(case, "scaled_exp") for case in CASES]
+    + [(case, form) for form in ROW_FORMS for case in CASES if _runs_row_scaled(case)],
 )
 def test_options_against_fp64(case, form):
     input_kw, options, call_kw = CASES[case]
@@ -278,12 +281,20 @@ def test_memory_model_counts_the_partials():
     grad_weight is asked and there is no bias."""
     problem = Problem(16384, 1024, 131072, "bfloat16")
     scratch = 8192 * 512 * (6 * 4 + 4) + 8192 * 3 * 4 + 4
-    cases = [("scaled_exp", {}, 0), ("scaled_exp_rows", {}, 8192 * 1024 * 2)]
-    cases += [("scaled_exp_rows", dict(bias=True), 0), ("scaled_exp_rows", dict(weight_grad=False), 0)]
-    for form, kw, scaled_input in cases:
+    # the warp-specialised form's row-scaled chunks: a slot per 128 columns (1024 at V = 131072)
+    ws_scratch = 8192 * 1024 * (6 * 4 + 4) + 8192 * 3 * 4 + 4
+    cases = [("scaled_exp", {}, scratch, 0), ("scaled_exp_rows", {}, scratch, 8192 * 1024 * 2)]
+    cases += [
+        ("scaled_exp_rows", dict(bias=True), scratch, 0),
+        ("scaled_exp_rows", dict(weight_grad=False), scratch, 0),
+    ]
+    cases += [("scaled_exp_ws", {}, ws_scratch, 8192 * 1024 * 2), ("scaled_exp_ws", dict(bias=True), scratch, 0)]
+    cases += [("scaled_exp_ws", dict(weight_grad=False), ws_scratch, 0)]
+    cases += [("scaled_exp_ws", dict(weight_grad=False, input_grad=False), scratch, 0)]
+    for form, kw, partials, scaled_input in cases:
         logits = predict_peak(Geometry.for_problem(problem, 8192), **kw).total_bytes
         scaled = predict_peak(Geometry.for_problem(problem, 8192, slab_form=form), **kw).total_bytes
-        assert scaled - logits == scratch + scaled_input, (form, kw)
+        assert scaled - logits == partials + scaled_input, (form, kw)
 
 
 def test_bench_policy_wraps_every_rule():
@@ -312,7 +323,8 @@ def test_bias_gradient_alone():
 
 # the row-scaled pass leaves inf in those rows for the redo to replace; numpy under the interpreter says so
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-def test_rows_far_above_their_target_redo_the_chunk_per_tile(monkeypatch):
+@pytest.mark.parametrize("form", ROW_FORMS)
+def test_rows_far_above_their_target_redo_the_chunk_per_tile(monkeypatch, form):
     """The row-scaled form holds exp(z - z_y): rows whose logits lie more than 64 nats above their target's would
     overflow. Their chunk is redone per tile on the device (no host read), and the result is still fp64's."""
     import flce_policy.kernels.driver as driver
@@ -328,14 +340,14 @@ def test_rows_far_above_their_target_redo_the_chunk_per_tile(monkeypatch):
             flags.append(int(args[5].redo.item()))
 
     monkeypatch.setattr(driver, "scaled_exp_logits", recording)
-    got_loss, _, got = run(t, geometry("scaled_exp_rows"))
+    got_loss, _, got = run(t, geometry(form))
     want_loss, want = reference(t)
     assert flags == [1, 1, 1]  # every chunk was row-scaled, and each one flagged
     assert abs(got_loss.double().item() - want_loss.item()) <= LOSS_TOL * abs(want_loss.item())
     for name, grad in got.items():
         assert torch.isfinite(grad).all() and rel_l2(grad, want[name]) < GRAD_TOL, name
     flags.clear()
-    run(inputs(seed=5), geometry("scaled_exp_rows"))
+    run(inputs(seed=5), geometry(form))
     assert flags == [0, 0, 0]  # the same inputs without those rows: no chunk redone
 
 
@@ -366,7 +378,7 @@ def test_a_bias_label_smoothing_or_fp16_take_the_per_tile_form(monkeypatch):
 def test_the_rows_form_is_a_strategy_parameter():
     strategy = ScaledExp({"strategy": "heuristic_c", "c": 16}, rows=True)
     config = {"strategy": "scaled_exp", "inner": {"strategy": "heuristic_c", "c": 16}, "rows": True}
-    assert strategy.to_config() == config and strategy_from_config(config) == strategy
+    assert strategy.to_config() == {**config, "warp_specialised": False} and strategy_from_config(config) == strategy
     geometry = strategy.geometry(Problem(BT, H, V, "bfloat16"), DeviceInfo.synthetic("H200"))
     assert geometry.slab_form == "scaled_exp_rows"
     with pytest.raises(StrategyError, match="rows must be true or false"):
@@ -382,6 +394,9 @@ def test_the_rows_form_is_a_strategy_parameter():
         ("scaled_exp_rows", dict(bias=True, label_smoothing=0.0), False),
         ("scaled_exp_rows", dict(bias=False, label_smoothing=0.1), False),
         ("scaled_exp_rows", dict(bias=False, label_smoothing=0.0, dtype="float16"), False),
+        ("scaled_exp_ws", dict(bias=False, label_smoothing=0.0), True),
+        ("scaled_exp_ws", dict(bias=True, label_smoothing=0.0), False),
+        ("scaled_exp_ws", dict(bias=False, label_smoothing=0.1), False),
         ("scaled_exp", dict(bias=False, label_smoothing=0.0), False),
         ("logits", dict(bias=False, label_smoothing=0.0), False),
     ],
@@ -550,3 +565,58 @@ def test_a_fitted_chunk_on_the_row_scaled_slab_against_fp64():
     want_loss, want = reference(t)
     assert torch.allclose(got_loss.double(), want_loss, rtol=LOSS_TOL)
     assert rel_l2(got["x"], want["x"]) < GRAD_TOL and rel_l2(got["w"], want["w"]) < GRAD_TOL
+
+
+def test_the_warp_specialised_form_is_a_strategy_parameter():
+    """``warp_specialised: true`` (with ``rows``) asks for ``"scaled_exp_ws"``: kept on Hopper and on a GPU of
+    unknown capability, the plain row-scaled form on a later GPU, the logits slab before Hopper."""
+    config = {
+        "strategy": "scaled_exp",
+        "inner": {"strategy": "heuristic_c", "c": 16},
+        "rows": True,
+        "warp_specialised": True,
+    }
+    strategy = strategy_from_config(config)
+    assert strategy.to_config() == config
+    problem = Problem(16384, 1024, 131072, "bfloat16")
+    forms = {
+        family: strategy.geometry(problem, DeviceInfo.synthetic(family)).slab_form
+        for family in ("H200", "H100", "B200", "A100")
+    }
+    assert forms == {"H200": "scaled_exp_ws", "H100": "scaled_exp_ws", "B200": "scaled_exp_rows", "A100": "logits"}
+    assert strategy.geometry(problem, DeviceInfo.cpu()).slab_form == "scaled_exp_ws"
+    with pytest.raises(StrategyError, match="warp_specialised: true needs rows: true"):
+        ScaledExp({"strategy": "heuristic_c", "c": 16}, warp_specialised=True).validate_params()
+    with pytest.raises(StrategyError, match="warp_specialised must be true or false"):
+        ScaledExp({"strategy": "heuristic_c", "c": 16}, rows=True, warp_specialised="yes").validate_params()
+
+
+def test_the_warp_specialised_form_writes_128_column_slots_slot_major(monkeypatch):
+    """Its row-scaled chunks' workspace has a slot per 128 columns and the GEMM writes each slot's row sums
+    slot-major (slot s of row r at s * rows + r), as the Gluon GEMM does; fp64's per-tile sums of exp(z - z_y)."""
+    import flce_policy.kernels.driver as driver
+
+    t = inputs(seed=3)
+    seen = []
+    real = driver.scaled_exp_logits
+
+    def recording(x_chunk, weight, bias, slab, target, ws, *, row_scaled=False, redo=False, **kw):
+        real(x_chunk, weight, bias, slab, target, ws, row_scaled=row_scaled, redo=redo, **kw)
+        if row_scaled:
+            rows = ws.partials.shape[1]
+            sums = ws.partials[1].reshape(-1)[: ws.slots * rows].view(ws.slots, rows)
+            seen.append((ws.scaled_exp_tile, x_chunk.double(), target.clone(), sums[:, : x_chunk.shape[0]].clone()))
+
+    monkeypatch.setattr(driver, "scaled_exp_logits", recording)
+    run(t, geometry("scaled_exp_ws"))
+    assert len(seen) == 3
+    w = t["w"].double()
+    for tile, x, y, sums in seen:
+        assert tile == 128
+        z = x @ w.T
+        valid = y != -100
+        shift = z.gather(1, y.clamp_min(0)[:, None])
+        e = torch.nn.functional.pad(torch.exp(z - shift), (0, 640 - V)).view(-1, 5, 128).sum(2)  # 5 tiles of 128
+        got = sums[:5].T.double()
+        assert torch.allclose(got[valid], e[valid], rtol=1e-4), (got[valid] - e[valid]).abs().max()
+        assert (got[~valid] == 0).all()  # ignored rows: shift +inf, exp 0

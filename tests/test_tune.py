@@ -228,7 +228,7 @@ def test_every_other_gpu_keeps_what_the_packaged_policy_picks(tmp_path, problem)
     assert len(policy.rules) == len(packaged.rules)
     assert (
         "# the tuned rule replaces the packaged rule match H200 -> "
-        "ScaledExp(inner={'strategy': 'slab_budget', 'max_slab': '2GiB'}, rows=True)" in text
+        "ScaledExp(inner={'strategy': 'slab_budget', 'max_slab': '2GiB'}, rows=True, warp_specialised=True)" in text
     )
 
 
@@ -569,6 +569,7 @@ def test_the_scaled_exp_slab_is_written_when_its_pick_runs_within_2_percent(tmp_
         "strategy": "scaled_exp",
         "inner": {"strategy": "slab_budget", "max_slab": "1GiB"},
         "rows": True,
+        "warp_specialised": False,
     }
     assert f"wrote {out}: match H200 -> scaled_exp (rows) around slab_budget max_slab 1GiB" in err
     for form in ("logits", "scaled_exp_rows", "scaled_exp"):

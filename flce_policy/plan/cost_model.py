@@ -24,6 +24,7 @@ Terms (seconds), each traced to measurements on the H200 (results/notes/README.m
   where TMA cannot are slower, not modelled apart;
 - the scaled-exp slab (``geometry.slab_form``): its logits GEMM at ``scaled_exp_gemm_efficiency`` of
   cuBLAS's rate, and the CE kernels one read and one write of the slab (its partials come from the GEMM);
+  (``ws_gemm_efficiency`` for ``"scaled_exp_ws"``'s Gluon GEMM);
   in the row-scaled form (``"scaled_exp_rows"``, as calls without a bias or label smoothing run it) no CE
   pass over the slab, x_c scaled per row for grad_weight and grad_input scaled per row (a read and a write
   of each), and with a grad_weight filter one read of the slab for the flags (not yet measured on a GPU);
@@ -79,6 +80,10 @@ class DeviceRates(NamedTuple):
     # H200 alone, at four small-head chunks: 1.080-1.227x cuBLAS's time (results/2026-12-01-small-heads/
     # h200-persistent-tma.log); not yet in a whole call.
     scaled_exp_gemm_efficiency: float = 0.86
+    # "scaled_exp_ws"'s warp-specialised Gluon GEMM (the same epilogue, its row sums stored slot-major) against
+    # cuBLAS's. MEASURED on the H200 alone at 4096-row chunks of four small heads: 0.958-0.977x cuBLAS's time
+    # (results/2026-12-02-h200-session18/call1/gluon_rowsum_probe.log, full_t), taken as 1.0.
+    ws_gemm_efficiency: float = 1.0
 
 
 #: H200: CALIBRATED by :func:`fit_rates` on the fixed-chunk rows and floors of
@@ -146,14 +151,17 @@ def predict_seconds(
         # level L, which the logits decide: the deepest level's share taken, a lower bound)
         kept += skipped_share / geometry.grad_weight_filter_rescue
     scaled_exp = is_scaled_exp(geometry.slab_form)
-    rows = geometry.slab_form == "scaled_exp_rows"
+    rows = geometry.slab_form in ("scaled_exp_rows", "scaled_exp_ws")
+    gemm_efficiency = (
+        rates.ws_gemm_efficiency if geometry.slab_form == "scaled_exp_ws" else (rates.scaled_exp_gemm_efficiency)
+    )
     # two reads and a write of the slab; the scaled-exp slab's partials come from the GEMM: a read and a write,
     # and none in its row-scaled form (a filter's flags come from the GEMM's epilogue too)
     ce_passes = 0 if rows else 2 if scaled_exp else 3
     terms = {
         "gemm": (gemms - 1 if filtered else gemms) * one_gemm,
         # the scaled-exp slab's logits GEMM (its epilogue) over cuBLAS's
-        "scaled_exp_epilogue": one_gemm * (1.0 / rates.scaled_exp_gemm_efficiency - 1.0) if scaled_exp else 0.0,
+        "scaled_exp_epilogue": one_gemm * (1.0 / gemm_efficiency - 1.0) if scaled_exp else 0.0,
         # the filtered grad_weight GEMM, and its flags: one byte per row and 128 classes, written and read
         # (where the kernel would be slower than cuBLAS, nearly every tile kept, the dense GEMM runs instead)
         "grad_weight_filtered": one_gemm

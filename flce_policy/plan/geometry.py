@@ -55,10 +55,11 @@ class Geometry(BaseModel):
             "log2(N)), counted 2^L times (unbiased); None = none"
         ),
     )
-    slab_form: Literal["logits", "scaled_exp", "scaled_exp_rows"] = Field(
+    slab_form: Literal["logits", "scaled_exp", "scaled_exp_rows", "scaled_exp_ws"] = Field(
         default="logits",
         description="what the slab holds: the logits, or exp(z - m) per column tile from the logits GEMM's "
-        "epilogue, or (scaled_exp_rows, where the call allows) exp(z - z_y) per row (flce_policy.plan.scaled_exp)",
+        "epilogue, or (scaled_exp_rows, where the call allows) exp(z - z_y) per row; scaled_exp_ws: that with a "
+        "warp-specialised GEMM on Hopper (flce_policy.plan.scaled_exp)",
     )
     strategy: str = Field(default="manual", description="the strategy (with its parameters) that produced it")
     rule: str | None = Field(default=None, description="the policy rule that chose the strategy, if any")

@@ -12,7 +12,7 @@ from typing import NamedTuple
 from flce_policy.plan.accumulator import accumulator_layout, narrow_step_rows
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.problem import DTYPE_ITEMSIZE, Problem, checked_dtype
-from flce_policy.plan.scaled_exp import is_scaled_exp, row_scaled, scaled_exp_scratch_bytes
+from flce_policy.plan.scaled_exp import is_scaled_exp, row_scaled, scaled_exp_scratch_bytes, slot_tile
 from flce_policy.plan.units import format_bytes
 from flce_policy.plan.weight_filter import filter_scratch_bytes
 
@@ -69,8 +69,10 @@ def predict_peak(
     loop = {"slab": geometry.slab_bytes, **held, **copies}
     if is_scaled_exp(geometry.slab_form):
         # its row partials are a slot per column tile, not a few per row: 5% of a bf16 slab
-        loop["scaled_exp_partials"] = scaled_exp_scratch_bytes(geometry.chunk_size, geometry.vocab_chunk)
-        if weight_grad and row_scaled(geometry.slab_form, bias=bias, label_smoothing=0.0, dtype=p.dtype):
+        rows = row_scaled(geometry.slab_form, bias=bias, label_smoothing=0.0, dtype=p.dtype)
+        tile = slot_tile(geometry.slab_form, row_scaled_chunks=rows and (input_grad or weight_grad))
+        loop["scaled_exp_partials"] = scaled_exp_scratch_bytes(geometry.chunk_size, geometry.vocab_chunk, tile)
+        if weight_grad and rows:
             # the row-scaled form's x_c times each row's scale (not allocated with label smoothing)
             loop["scaled_input"] = geometry.chunk_size * p.hidden * p.itemsize
     if geometry.grad_weight_filter and (weight_grad or bias):
