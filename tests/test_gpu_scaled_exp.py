@@ -87,9 +87,9 @@ def test_extras_against_fp32_beside_the_logits_slab(form):
 )
 @pytest.mark.parametrize("filtered", [False, True])
 def test_the_gluon_gemm_gives_its_triton_stand_in_s_results(monkeypatch, filtered):
-    """"scaled_exp_ws" on Hopper runs the Gluon GEMM; its Triton stand-in (the same 128-column slots, slot-major)
-    runs where Gluon does not. The slab is the same fma and exp2 of the same products: the loss and grad_input
-    agree to fp32 summation order, grad_weight too (and, filtered, the same tiles skipped)."""
+    """On Hopper "scaled_exp_ws" runs the Gluon GEMM, elsewhere its Triton stand-in (the same 128-column slots,
+    slot-major). The slab is the same fma and exp2 of the same products: the loss and grad_input agree to fp32
+    summation order, grad_weight too (and, filtered, the same tiles skipped)."""
     import flce_policy.kernels.gluon_exp_gemm as gluon_module
     import flce_policy.kernels.scaled_exp as scaled_exp_module
 
@@ -109,5 +109,5 @@ def test_the_gluon_gemm_gives_its_triton_stand_in_s_results(monkeypatch, filtere
     triton_path = _call(x, w, y, "scaled_exp_ws", **options)
     assert len(calls) == BT // CHUNK
     assert abs(gluon[0].item() - triton_path[0].item()) <= 1e-6 * abs(triton_path[0].item())
-    for got, want, name in zip(gluon[1:3], triton_path[1:3], ("grad_input", "grad_weight")):
+    for got, want, name in zip(gluon[1:3], triton_path[1:3], ("grad_input", "grad_weight"), strict=True):
         assert rel_l2(got, want.float()) < 1e-3, name
