@@ -620,3 +620,22 @@ def test_the_warp_specialised_form_writes_128_column_slots_slot_major(monkeypatc
         got = sums[:5].T.double()
         assert torch.allclose(got[valid], e[valid], rtol=1e-4), (got[valid] - e[valid]).abs().max()
         assert (got[~valid] == 0).all()  # ignored rows: shift +inf, exp 0
+
+
+def test_the_cost_model_prices_each_form_s_logits_gemm():
+    """The epilogue's term over cuBLAS's GEMM is the Triton GEMM's rate for the two Triton forms and the Gluon GEMM's
+    for "scaled_exp_ws"; otherwise the row-scaled forms cost the same."""
+    from flce_policy.plan.cost_model import predict_seconds, rates_for
+
+    problem = Problem(16384, 1024, 131072, "bfloat16")
+    rates = rates_for(DeviceInfo.synthetic("H200"))._replace(scaled_exp_gemm_efficiency=0.8, ws_gemm_efficiency=0.95)
+    terms = {
+        form: predict_seconds(Geometry.for_problem(problem, 8192, slab_form=form), rates).terms
+        for form in ("scaled_exp_rows", "scaled_exp_ws")
+    }
+    one_gemm = 2 * 16384 * 1024 * 131072 / rates.matmul_flops
+    assert terms["scaled_exp_rows"]["scaled_exp_epilogue"] == pytest.approx(one_gemm * (1 / 0.8 - 1))
+    assert terms["scaled_exp_ws"]["scaled_exp_epilogue"] == pytest.approx(one_gemm * (1 / 0.95 - 1))
+    for name, value in terms["scaled_exp_rows"].items():
+        if name != "scaled_exp_epilogue":
+            assert terms["scaled_exp_ws"][name] == value, name

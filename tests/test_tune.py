@@ -52,10 +52,11 @@ def as_method(record, method, slowdown=1.0):
     return dataclasses.replace(record, method=method.name, family=method.family, median_ms=ms)
 
 
-def stub_suite(rows, scaled_exp_slowdown, rows_slowdown=None):
+def stub_suite(rows, scaled_exp_slowdown, rows_slowdown=None, ws_slowdown=None):
     """A run_suite that answers each method with ``rows``' row at its chunk (the floor at None), the scaled-exp
-    rows ``scaled_exp_slowdown`` times slower (its row-scaled form's ``rows_slowdown``, by default the same); the
-    method names it was asked for in ``.calls``."""
+    rows ``scaled_exp_slowdown`` times slower (its row-scaled form's ``rows_slowdown``, by default the same, and the
+    warp-specialised one's ``ws_slowdown``, by default the row-scaled form's); the method names it was asked for in
+    ``.calls``."""
 
     def fake_run_suite(shapes, methods, *, logit_std, warmup, repeats, predict_peak, on_start, on_record):
         fake_run_suite.calls.append(([m.name for m in methods], logit_std, warmup, repeats))
@@ -65,8 +66,11 @@ def stub_suite(rows, scaled_exp_slowdown, rows_slowdown=None):
             on_start(shapes[0], method)
             chunk = None if method.name == "gemm_floor" else predict_peak(method, shapes[0])[0]
             slowdown = 1.0
-            if method.family.endswith("scaled-exp rows"):
-                slowdown = scaled_exp_slowdown if rows_slowdown is None else rows_slowdown
+            row_scaled = scaled_exp_slowdown if rows_slowdown is None else rows_slowdown
+            if method.family.endswith("scaled-exp ws"):
+                slowdown = row_scaled if ws_slowdown is None else ws_slowdown
+            elif method.family.endswith("scaled-exp rows"):
+                slowdown = row_scaled
             elif "scaled-exp" in method.family:
                 slowdown = scaled_exp_slowdown
             record = by_chunk[chunk] if chunk is None else as_method(by_chunk[chunk], method, slowdown)
@@ -344,6 +348,8 @@ def test_gpu_run_glue_with_a_stubbed_suite(tmp_path, capsys, monkeypatch):
         "ours_one_chunk_bf16",
         *(f"ours_scaled_exp_rows_chunk{n}_bf16" for n in (256, 512, 1024, 2048, 4096)),
         "ours_scaled_exp_rows_one_chunk_bf16",
+        *(f"ours_scaled_exp_ws_chunk{n}_bf16" for n in (256, 512, 1024, 2048, 4096)),
+        "ours_scaled_exp_ws_one_chunk_bf16",
         *(f"ours_scaled_exp_chunk{n}_bf16" for n in (256, 512, 1024, 2048, 4096)),
         "ours_scaled_exp_one_chunk_bf16",
     ]
@@ -491,7 +497,7 @@ def test_json_reports_what_was_written_and_measured(tmp_path, capsys, monkeypatc
     assert data["changed_families"] == ["H200"]
     assert data["chosen_slab_form"] == "logits"
     chunks = [256, 512, 1024, 2048, 4096, 8192]
-    assert [r["chunk_size"] for r in data["records"]] == [None, *chunks, *chunks, *chunks]
+    assert [r["chunk_size"] for r in data["records"]] == [None, *chunks, *chunks, *chunks, *chunks]  # four slab forms
     assert f"wrote {out}" in err  # the messages stay on stderr
 
 
@@ -545,11 +551,13 @@ def test_a_grad_weight_filter_is_written_into_the_tuned_rule(tmp_path):
 # --- the slab form ------------------------------------------------------------------------------------
 
 
-def _tune_h200(tmp_path, capsys, monkeypatch, device, slowdown, *extra, rows_slowdown=None):
+def _tune_h200(tmp_path, capsys, monkeypatch, device, slowdown, *extra, rows_slowdown=None, ws_slowdown=None):
     from flce_policy.benchmarks import suite
     from flce_policy.engine import probe
 
-    fake_run_suite = stub_suite(gemma_rows(), scaled_exp_slowdown=slowdown, rows_slowdown=rows_slowdown)
+    fake_run_suite = stub_suite(
+        gemma_rows(), scaled_exp_slowdown=slowdown, rows_slowdown=rows_slowdown, ws_slowdown=ws_slowdown
+    )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(probe, "probe_device", lambda index=None: device)
     monkeypatch.setattr(suite, "run_suite", fake_run_suite)
@@ -582,6 +590,23 @@ def test_the_scaled_exp_slab_is_written_when_its_pick_runs_within_2_percent(tmp_
         assert f"8192x5376x262144: {form} pick (max_slab 1GiB) 1.010x the logits pick's time (max_slab 1GiB)" in text
     out, err, _ = _tune_h200(tmp_path, capsys, monkeypatch, H200, 1.005, rows_slowdown=1.015)
     assert FLCEPolicy.from_yaml(out).rules[0].to_config()["rows"] is False  # the per-tile form, the faster
+
+
+def test_the_warp_specialised_form_is_measured_on_hopper_and_written_when_faster(tmp_path, capsys, monkeypatch):
+    out, err, calls = _tune_h200(tmp_path, capsys, monkeypatch, H200, 1.01, ws_slowdown=0.99)
+    assert FLCEPolicy.from_yaml(out).rules[0].to_config() == {
+        "match": "H200",
+        "strategy": "scaled_exp",
+        "inner": {"strategy": "slab_budget", "max_slab": "1GiB"},
+        "rows": True,
+        "warp_specialised": True,
+    }
+    assert "-> scaled_exp (rows, warp-specialised) around slab_budget max_slab 1GiB" in err
+    assert "# on the scaled_exp_ws slab:" in out.read_text()
+    assert any(name.startswith("ours_scaled_exp_ws_chunk") for name in calls[0][0])
+    # a later GPU than Hopper runs no Gluon GEMM: not measured there
+    assert tune.slab_forms_for(GEMMA, DeviceInfo.synthetic("B200")) == ("logits", "scaled_exp_rows", "scaled_exp")
+    assert tune.slab_forms_for(GEMMA, H200) == ("logits", "scaled_exp_rows", "scaled_exp_ws", "scaled_exp")
 
 
 def test_a_scaled_exp_slab_over_2_percent_slower_is_not_written_and_fastest_follows(tmp_path, capsys, monkeypatch):

@@ -88,8 +88,9 @@ TOLERANCE = 0.02
 SMALLEST_CHUNK = 256
 #: The slab form of each family of fixed-chunk rows (the benchmark's FIXED_FAMILIES, reversed).
 _FORM_OF_FAMILY = {family: form for form, family in FIXED_FAMILIES.items()}
-#: The scaled-exp forms tune measures, in the order that breaks a tie: the row-scaled one (no CE pass) first.
-_SCALED_FORMS = ("scaled_exp_rows", "scaled_exp")
+#: The scaled-exp forms tune measures, in the order that breaks a tie: the row-scaled one (no CE pass) first, then
+#: its warp-specialised GEMM (Hopper only; a partial slot per 128 columns: a little more memory).
+_SCALED_FORMS = ("scaled_exp_rows", "scaled_exp_ws", "scaled_exp")
 
 
 class Limits(NamedTuple):
@@ -133,13 +134,14 @@ def chunk_sizes_for(tokens: int) -> tuple[int, ...]:
 
 
 def slab_forms_for(shape: Shape, device: DeviceInfo, dtype: str = "bfloat16") -> tuple[str, ...]:
-    """The slab forms to measure at ``shape``: the logits slab, and the scaled-exp slab where the GPU and the
-    problem run it."""
+    """The slab forms to measure at ``shape``: the logits slab, and the scaled-exp slab's forms where the GPU and
+    the problem run them."""
     # a GPU of unknown capability is not measured on it (runnable_slab_form takes one as able, for planning)
-    runs = runnable_slab_form("scaled_exp", Problem(*shape, dtype=dtype), shape[2], device) != "logits"
-    if device.compute_capability is not None and runs:
-        return ("logits", *_SCALED_FORMS)
-    return ("logits",)
+    problem = Problem(*shape, dtype=dtype)
+    if device.compute_capability is None:
+        return ("logits",)
+    forms = [form for form in _SCALED_FORMS if runnable_slab_form(form, problem, shape[2], device) == form]
+    return ("logits", *forms)
 
 
 def slab_bytes(record: Record, dtype: str = "bfloat16") -> int:
@@ -587,7 +589,7 @@ def run(args: argparse.Namespace) -> int:
     out.write_text(text, encoding="utf-8")
     written = f"{strategy!r}" if strategy is not None else f"slab_budget max_slab {exact_size(choice.max_slab)}"
     if strategy is None and is_scaled_exp(choice.slab_form):
-        form = " (rows)" if choice.slab_form == "scaled_exp_rows" else ""
+        form = {"scaled_exp_rows": " (rows)", "scaled_exp_ws": " (rows, warp-specialised)"}.get(choice.slab_form, "")
         written = f"scaled_exp{form} around {written}"
     print(
         f"wrote {out}: match {rule_match(device)} -> {written}; "

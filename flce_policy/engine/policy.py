@@ -21,7 +21,7 @@ from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.memory import gathered_head_bytes, predict_peak
 from flce_policy.plan.oom import DEFAULT_MIN_CHUNK_SIZE, OOMFallback
 from flce_policy.plan.problem import Problem
-from flce_policy.plan.scaled_exp import SCALED_EXP_TILE
+from flce_policy.plan.scaled_exp import SCALED_EXP_TILE, WS_TILE
 from flce_policy.plan.units import format_bytes, parse_bytes
 from flce_policy.plan.weight_filter import (
     FILTER_COLS,
@@ -543,9 +543,14 @@ def _slab_form_note(slab_form: str) -> str:
     rows = (
         ", and per row where the call has no bias or label smoothing (bf16): exp(z - z_y), no CE pass over the "
         "slab, the backward GEMMs scaling its rows"
-        if slab_form == "scaled_exp_rows"
+        if slab_form in ("scaled_exp_rows", "scaled_exp_ws")
         else ""
     )
+    if slab_form == "scaled_exp_ws":
+        rows += (
+            f", that GEMM warp-specialised on Hopper (a Gluon kernel, a partial slot per {WS_TILE} columns; calls "
+            "asking for the argmax or the entropy run its Triton form in those slots)"
+        )
     return (
         f", holding exp(z - m) per {SCALED_EXP_TILE} columns from a Triton GEMM's epilogue (scaled-exp: no partial "
         f"pass, no bf16 rounding of the logits){rows}; calls with a softcap, and GPUs before Hopper, run the "
