@@ -25,7 +25,7 @@ import torch
 
 from flce_policy.plan.scaled_exp import SHIFT_LIMIT_EXP, WS_TILE
 
-__all__ = ["gluon_available", "row_scaled_exp_gemm"]
+__all__ = ["gluon_available", "launch_row_scaled_exp_gemm", "row_scaled_exp_gemm"]
 
 #: (BLOCK_K, STAGES, GROUP_M, consumer registers, producer registers). 4 stages of 16 + 16 KiB and two 32 KiB
 #: epilogue buffers: 192 KiB of shared memory; 240 + 240 + 24 registers over the three warpgroups' thread slots.
@@ -271,6 +271,21 @@ def row_scaled_exp_gemm(
         raise RuntimeError(f"the Gluon GEMM needs Triton's Gluon Hopper API, absent here: {_GLUON_ERROR}")
     if torch.cuda.get_device_capability(x_chunk.device)[0] != 9:
         raise RuntimeError("the Gluon GEMM runs on Hopper (sm_90) only: wgmma")
+    launch_row_scaled_exp_gemm(x_chunk, weight, slab, row_shift, sums, slot_stride, redo, maxima)
+
+
+def launch_row_scaled_exp_gemm(
+    x_chunk: torch.Tensor,
+    weight: torch.Tensor,
+    slab: torch.Tensor,
+    row_shift: torch.Tensor,
+    sums: torch.Tensor,
+    slot_stride: int,
+    redo: torch.Tensor,
+    maxima: torch.Tensor | None = None,
+) -> None:
+    """:func:`row_scaled_exp_gemm` with nothing checked: the driver's launch, on a geometry whose slab form the plan
+    lets run here (:mod:`flce_policy.plan.scaled_exp`) and tensors the call's routing let through TMA."""
     n, hidden = x_chunk.shape
     n_cols = weight.shape[0]
     if n == 0:

@@ -40,7 +40,7 @@ from flce_policy.plan.scaled_exp import SHIFT_LIMIT as SHIFT_LIMIT_NATS
 from flce_policy.plan.scaled_exp import SHIFT_LIMIT_EXP, WS_COMPUTE_CAPABILITY, WS_TILE
 from flce_policy.plan.weight_filter import FILTER_COLS
 
-from .gluon_exp_gemm import gluon_available, row_scaled_exp_gemm
+from .gluon_exp_gemm import gluon_available, launch_row_scaled_exp_gemm
 from .interpreter import KERNELS_INTERPRETED
 from .rounding import rounded
 from .row_partials import CEWorkspace
@@ -273,7 +273,7 @@ def scaled_exp_logits(
         # "scaled_exp_ws": the warp-specialised GEMM, the same slab and slots (the argmax and the entropy's sums
         # it does not compute: such calls run this Triton GEMM in its tiles)
         maxima = ws.partials[2].view(-1) if flag_maxima else None
-        row_scaled_exp_gemm(
+        launch_row_scaled_exp_gemm(
             x_chunk, weight, slab, ws.row_shift, ws.partials[1].view(-1), ws.partials.shape[1], ws.redo, maxima
         )
         return

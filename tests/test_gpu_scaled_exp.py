@@ -96,13 +96,13 @@ def test_the_gluon_gemm_gives_its_triton_stand_in_s_results(monkeypatch, filtere
     x, w, y = make_inputs(BT, H, V, torch.bfloat16)
     options = {"grad_weight_filter": 2.0**-12} if filtered else {}
     calls = []
-    real = gluon_module.row_scaled_exp_gemm
+    real = gluon_module.launch_row_scaled_exp_gemm
 
     def counting(*args, **kw):
         calls.append(1)
         return real(*args, **kw)
 
-    monkeypatch.setattr(scaled_exp_module, "row_scaled_exp_gemm", counting)
+    monkeypatch.setattr(scaled_exp_module, "launch_row_scaled_exp_gemm", counting)
     gluon = _call(x, w, y, "scaled_exp_ws", **options)
     assert len(calls) == BT // CHUNK  # every chunk's GEMM was the Gluon kernel
     monkeypatch.setattr(scaled_exp_module, "_runs_gluon", lambda device: False)
