@@ -1,17 +1,17 @@
 """The row-scaled exp GEMM in Gluon for Hopper (sm_90): ``exp(x_chunk @ W.T - shift)`` per row, with tile sums.
 
-The output of the row-scaled form of :mod:`.scaled_exp`'s Triton GEMM (the same fma and exp2: the session-16
-prototype's slab was that kernel's bit for bit; this module has not yet run on a GPU), with the partials laid
-out slot-major rather than per row. A persistent warp-specialised kernel: one TMA producer warp fills a 4-stage
-shared-memory ring; two consumer warpgroups take the CTA's 128x128 tiles in turn, so that one runs its epilogue
-(the exponentials, the row sums, the slab's TMA store) while the other's wgmma keeps the tensor cores busy.
+The output of the row-scaled form of :mod:`.scaled_exp`'s Triton GEMM (the same fma and exp2 of the same products;
+the loss and gradients agree with that kernel's to fp32 summation order, tests/test_gpu_scaled_exp.py), with the
+partials laid out slot-major, as that kernel's row-scaled form writes them. A persistent warp-specialised kernel:
+one TMA producer warp fills a 4-stage shared-memory ring; two consumer warpgroups take the CTA's 128x128 tiles in
+turn, so that one runs its epilogue (the exponentials, the row sums, the slab's TMA store) while the other's wgmma
+keeps the tensor cores busy.
 
-Measured on the H200 (Triton 3.6, 4096-row chunks, H x V = 896-2048 x 128k-262k): 0.958-0.977x the time of
-cuBLAS's plain bf16 GEMM, in
-results/2026-12-02-h200-session18/call1/gluon_rowsum_probe.log (the ``full_t`` row; the kernel is its probe's,
-results/notes/2026-12-02-probes-for-session18/gluon_rowsum_probe.py.txt). The Triton kernel was not in that
-run; in earlier ones it took 1.03-1.09x (results/2026-12-02-h200-session16/README.md) and 1.13-1.24x
-(results/2026-12-02-h200-session17/call1/gluon_epilogue_probe.log, the ``project`` row) of cuBLAS's time.
+Measured on the H200 (Triton 3.6, 4096-row chunks, H x V = 896-2048 x 128k-262k), the GEMM alone: 0.958-0.977x the
+time of cuBLAS's plain bf16 GEMM (results/2026-12-02-h200-session18/call1/gluon_rowsum_probe.log, the ``full_t`` row;
+the kernel is its probe's, results/notes/2026-12-02-probes-for-session18/gluon_rowsum_probe.py.txt), where the
+Triton GEMM took 1.06-1.24x (call3/triton_partials_layout_probe.log); in the loss, 2.1-3.5% faster than the Triton
+form at five small heads (call4/heads.log).
 
 Gluon is experimental and its names move between Triton releases: without it (or without its Hopper API)
 this module still imports, :func:`gluon_available` says False and :func:`row_scaled_exp_gemm` raises.

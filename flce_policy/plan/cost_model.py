@@ -152,9 +152,8 @@ def predict_seconds(
         kept += skipped_share / geometry.grad_weight_filter_rescue
     scaled_exp = is_scaled_exp(geometry.slab_form)
     rows = geometry.slab_form in ("scaled_exp_rows", "scaled_exp_ws")
-    gemm_efficiency = (
-        rates.ws_gemm_efficiency if geometry.slab_form == "scaled_exp_ws" else (rates.scaled_exp_gemm_efficiency)
-    )
+    ws = geometry.slab_form == "scaled_exp_ws"
+    gemm_efficiency = rates.ws_gemm_efficiency if ws else rates.scaled_exp_gemm_efficiency
     # two reads and a write of the slab; the scaled-exp slab's partials come from the GEMM: a read and a write,
     # and none in its row-scaled form (a filter's flags come from the GEMM's epilogue too)
     ce_passes = 0 if rows else 2 if scaled_exp else 3
