@@ -5,7 +5,8 @@
 # (smallheads: the small- and large-head shape sets against QuACK and Liger, and the accuracy table;
 # QuACK is installed by benchmarks/install_quack.sh from $QUACK_WHEELS (default .whl/quack/; its largest wheel
 # may come as split parts) when it is not importable, without them its rows say it is not installed; smallheads-busy: the same
-# shapes for the default, both picks at Liger C=16's peak, QuACK and Liger C=16 with bench --busy-start)
+# shapes for the default, both picks at Liger C=16's peak, QuACK and Liger C=16 and C=1 with bench --busy-start, and
+# the accuracy table)
 # (compile: the torch.compile GPU tests and benchmarks/compile_bench.py alone; hf: the HF step
 # benchmark and the 50-step check; sharded: FSDP2 / ZeRO-3 on one GPU and the saturation scenario,
 # with DeepSpeed's wheels in .whl/ds/ — see docs/fsdp-zero3.md; trained: train the small Llama of
@@ -62,8 +63,9 @@ while [ $# -gt 0 ]; do
       # the same rows with each timed call behind a sleep kernel (bench --busy-start), as inside a training step
       quack_path
       python3 -m flce_policy.cli bench --busy-start --interleave --repeats 7 --shapes small-heads large-heads --out "$out/small_heads_busy" --methods \
-        ours_default_bf16 ours_within_liger_c16_peak_bf16 ours_within_liger_c16_peak_rows_bf16 quack liger_c16_bf16 2>&1 \
-        | tee "$out/small_heads_busy.log" || status=1
+        ours_default_bf16 ours_within_liger_c16_peak_bf16 ours_within_liger_c16_peak_rows_bf16 quack liger_c16_bf16 \
+        liger_c1_bf16 2>&1 | tee "$out/small_heads_busy.log" || status=1
+      python3 -m flce_policy.benchmarks.accuracy --out "$out/accuracy.json" 2>&1 | tee "$out/accuracy.log" || status=1
       shift ;;
     compile)
       TRITON_INTERPRET=0 python3 -m pytest "$repo/tests/test_gpu_compile.py" -m gpu -s -q -p no:cacheprovider 2>&1 | tee "$out/gpu_compile_tests.log" || status=1

@@ -40,7 +40,8 @@ from flce_policy.plan.scaled_exp import SCALED_EXP_TILE, scaled_exp_slots
 from .interpreter import KERNELS_INTERPRETED  # re-exported: where the tests have always imported it from
 from .rounding import rounded
 from .row_partials import CEWorkspace
-from .weight_grad_filter import finish_kernel_args, flag_codes, store_flags
+from .row_scaled_finish import row_scaled_finish
+from .weight_grad_filter import finish_kernel_args, store_flags
 
 if TYPE_CHECKING:
     from .vocab_shard import VocabShard
@@ -285,9 +286,6 @@ def _ce_finish_kernel(
     target_coef_ptr=None,
     row_scale_ptr=None,
     redo_ptr=None,
-    row_shift_ptr=None,
-    slot_stride=0,
-    ROW_SCALED: tl.constexpr = False,
     REDO_ONLY: tl.constexpr = False,
 ):
     if REDO_ONLY:  # the per-tile pass of a row-scaled chunk: only where the GEMM flagged the chunk
@@ -319,9 +317,8 @@ def _ce_finish_kernel(
                     tl.store(row_scale_ptr + row, 0.0)
             for start in range(col_start, col_stop, BLOCK_V):
                 offs = start + cols
-                if not ROW_SCALED:  # (the row-scaled slab holds zeros there already, and its scale is 0)
-                    zero = tl.zeros([BLOCK_V], dtype=row_ptr.dtype.element_ty)
-                    tl.store(row_ptr + offs, zero, mask=offs < col_stop)
+                zero = tl.zeros([BLOCK_V], dtype=row_ptr.dtype.element_ty)
+                tl.store(row_ptr + offs, zero, mask=offs < col_stop)
                 if FILTER:  # an ignored row's gradient is 0: nothing of it reaches grad_weight
                     keep = tl.zeros([BLOCK_V], dtype=tl.int32)
                     nothing = tl.full([BLOCK_V], -float("inf"), dtype=tl.float32)
@@ -334,14 +331,8 @@ def _ce_finish_kernel(
         # Merge the row's partial log-sum-exps: lse = M + log(sum_s d_s * exp(m_s - M)).
         # Slots past num_segments pad NUM_SLOTS to a power of two and are never written: read as neutral.
         live = tl.arange(0, NUM_SLOTS) < num_segments
-        if ROW_SCALED:
-            # the row-scaled GEMM's slots are slot-major (one tile's rows side by side: its epilogue's stores
-            # coalesce), each referenced to the row's shift, which it does not store
-            slots = tl.arange(0, NUM_SLOTS) * slot_stride + row
-            m_s = tl.where(live, tl.load(row_shift_ptr + row), -float("inf"))
-        else:
-            slots = row * NUM_SLOTS + tl.arange(0, NUM_SLOTS)
-            m_s = tl.load(partials_ptr + slots, mask=live, other=-float("inf"))
+        slots = row * NUM_SLOTS + tl.arange(0, NUM_SLOTS)
+        m_s = tl.load(partials_ptr + slots, mask=live, other=-float("inf"))
         d_s = tl.load(partials_ptr + plane + slots, mask=live, other=0.0)
         m = tl.max(m_s, axis=0)
         lse = m + tl.log(tl.sum(d_s * tl.exp(m_s - m), axis=0))
@@ -400,83 +391,59 @@ def _ce_finish_kernel(
                 # the slab, that entry (~ -1 on unconfident rows) carries most of a bf16 gradient's error.
                 if segment == 0:
                     tl.store(target_coef_ptr + row, coef_y)
-                    if ROW_SCALED:  # the slab holds exp(z - m) with m the row's shift: the gradient is f * that
-                        tl.store(row_scale_ptr + row, coef_p * tl.exp(m - lse))
-                    elif row_scale_ptr is not None:  # a redone chunk: the slab will hold the gradient itself
+                    if row_scale_ptr is not None:  # a redone chunk: the slab will hold the gradient itself
                         tl.store(row_scale_ptr + row, 1.0)
                 coef_y = 0.0
-            if ROW_SCALED and FILTER:
-                # no pass over a row-scaled slab (the GEMMs scale its rows): a filter's flags from the row maxima
-                # of exp(z - m) per half tile that the GEMM's epilogue wrote (m the row's shift): p = that times
-                # exp(m - lse)
-                GROUPS_PER_SLOT: tl.constexpr = SCALED_EXP_TILE // FLAG_COLS
-                tl.static_assert(GROUPS_PER_SLOT * FLAG_COLS == SCALED_EXP_TILE, "whole flags per partial slot")
-                tl.static_assert(GROUPS_PER_SLOT <= 2, "the GEMM writes at most two maxima per slot")
-                # all the row's slots in one vector per part (one finish program per row): a loop over blocks of
-                # 32 flags was latency-bound, ~40 us per 4096-row chunk at 151936 classes (H200, session 15)
-                slot = tl.arange(0, NUM_SLOTS)
-                for part in tl.static_range(GROUPS_PER_SLOT):
-                    group = GROUPS_PER_SLOT * slot + part
-                    inside = (group * FLAG_COLS >= col_start) & (group * FLAG_COLS < col_stop)
-                    e_max = tl.load(
-                        partials_ptr + (2 + part) * plane + slot * slot_stride + row, mask=inside, other=0.0
-                    )
-                    keep = (e_max * tl.exp(m - lse) >= filter_eps) | (group == local_target // FLAG_COLS)
-                    log2_top = tl.log2(e_max) + (m - lse) * 1.4426950408889634
-                    codes = flag_codes(keep, log2_top, filter_log2_eps)
-                    tl.store(flags_ptr + row * flag_row_stride + group, codes, mask=inside)
-            if not ROW_SCALED:
-                for start in range(col_start, col_stop, BLOCK_V):
-                    offs = start + cols
-                    mask = offs < col_stop
-                    if SCALED_EXP_TILE:
-                        # the slab holds exp(z - m) of each column tile: p = that * exp(m - lse)
-                        m_tile = tl.load(partials_ptr + row * NUM_SLOTS + offs // SCALED_EXP_TILE, mask=mask, other=0.0)
-                        p = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.exp(m_tile - lse)
-                    else:
-                        z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                        if HAS_SOFTCAP:
-                            z, t = _softcap_zt(z, softcap, row_ptr.dtype.element_ty, ROUND_SOFTCAP)
-                        p = tl.exp(z - lse)
-                    grad = coef_p * p
-                    grad = tl.where(offs == local_target, grad - coef_y, grad)
-                    if FILTER:
-                        # The skip rule reads the per-token |p_c - [c == y]|, before every scale of the row (the
-                        # reduction's, grad_output, class weight, token scaling, z-loss, smoothing, softcap's
-                        # chain rule); the target's column always counts. Off the target |p_c - 0| >= eps is
-                        # z_c - lse >= log(eps): a compare, not a second exp per element.
-                        if SCALED_EXP_TILE:
-                            keep = ((p >= filter_eps) | (offs == local_target)) & mask
-                            strength = tl.where(mask, p, 0.0)
-                        else:
-                            keep = ((z - lse >= filter_log_eps) | (offs == local_target)) & mask
-                            strength = tl.where(mask, z - lse, -float("inf"))
-                        store_flags(
-                            flags_ptr + row * flag_row_stride, keep, strength, filter_log2_eps, start, col_stop,
-                            BLOCK_V, FLAG_GROUPS, FLAG_COLS, LOG_STRENGTH=SCALED_EXP_TILE == 0,
-                        )  # fmt: skip
-                    if HAS_SMOOTHING:
-                        if HAS_WEIGHT:
-                            w = tl.load(class_weight_ptr + col_offset + offs, mask=mask, other=0.0)
-                            grad -= scale_ce * eps_over_v * w
-                        else:
-                            grad -= scale_ce * eps_over_v
+            for start in range(col_start, col_stop, BLOCK_V):
+                offs = start + cols
+                mask = offs < col_stop
+                if SCALED_EXP_TILE:
+                    # the slab holds exp(z - m) of each column tile: p = that * exp(m - lse)
+                    m_tile = tl.load(partials_ptr + row * NUM_SLOTS + offs // SCALED_EXP_TILE, mask=mask, other=0.0)
+                    p = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.exp(m_tile - lse)
+                else:
+                    z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
                     if HAS_SOFTCAP:
-                        if ROUND_SOFTCAP:
-                            # eager autograd's backward of the three ops, each result rounded: the fp32
-                            # gradient cast to the logits' dtype, times softcap, tanh's backward on the
-                            # rounded t, times 1/softcap
-                            dtype = row_ptr.dtype.element_ty
-                            if TANH_GRAD_PER_OP:  # CUDA's tanh_backward: a * (1 - b * b) in the dtype, op by op
-                                dtanh = rounded(1.0 - rounded(t * t, dtype), dtype)
-                            else:  # the CPU's: in fp32
-                                dtanh = 1.0 - t * t
-                            grad = rounded(rounded(rounded(grad, dtype) * softcap, dtype) * dtanh, dtype)
-                            grad = rounded(grad * (1.0 / softcap), dtype)
-                        else:
-                            grad = grad * (1.0 - t * t)
-                    if not ROW_SCALED:
-                        tl.store(row_ptr + offs, grad.to(row_ptr.dtype.element_ty), mask=mask)
+                        z, t = _softcap_zt(z, softcap, row_ptr.dtype.element_ty, ROUND_SOFTCAP)
+                    p = tl.exp(z - lse)
+                grad = coef_p * p
+                grad = tl.where(offs == local_target, grad - coef_y, grad)
+                if FILTER:
+                    # The skip rule reads the per-token |p_c - [c == y]|, before every scale of the row (the
+                    # reduction's, grad_output, class weight, token scaling, z-loss, smoothing, softcap's
+                    # chain rule); the target's column always counts. Off the target |p_c - 0| >= eps is
+                    # z_c - lse >= log(eps): a compare, not a second exp per element.
+                    if SCALED_EXP_TILE:
+                        keep = ((p >= filter_eps) | (offs == local_target)) & mask
+                        strength = tl.where(mask, p, 0.0)
+                    else:
+                        keep = ((z - lse >= filter_log_eps) | (offs == local_target)) & mask
+                        strength = tl.where(mask, z - lse, -float("inf"))
+                    store_flags(
+                        flags_ptr + row * flag_row_stride, keep, strength, filter_log2_eps, start, col_stop,
+                        BLOCK_V, FLAG_GROUPS, FLAG_COLS, LOG_STRENGTH=SCALED_EXP_TILE == 0,
+                    )  # fmt: skip
+                if HAS_SMOOTHING:
+                    if HAS_WEIGHT:
+                        w = tl.load(class_weight_ptr + col_offset + offs, mask=mask, other=0.0)
+                        grad -= scale_ce * eps_over_v * w
+                    else:
+                        grad -= scale_ce * eps_over_v
+                if HAS_SOFTCAP:
+                    if ROUND_SOFTCAP:
+                        # eager autograd's backward of the three ops, each result rounded: the fp32
+                        # gradient cast to the logits' dtype, times softcap, tanh's backward on the
+                        # rounded t, times 1/softcap
+                        dtype = row_ptr.dtype.element_ty
+                        if TANH_GRAD_PER_OP:  # CUDA's tanh_backward: a * (1 - b * b) in the dtype, op by op
+                            dtanh = rounded(1.0 - rounded(t * t, dtype), dtype)
+                        else:  # the CPU's: in fp32
+                            dtanh = 1.0 - t * t
+                        grad = rounded(rounded(rounded(grad, dtype) * softcap, dtype) * dtanh, dtype)
+                        grad = rounded(grad * (1.0 / softcap), dtype)
+                    else:
+                        grad = grad * (1.0 - t * t)
+                tl.store(row_ptr + offs, grad.to(row_ptr.dtype.element_ty), mask=mask)
 
 
 def _flags(
@@ -584,6 +551,26 @@ def ce_finish(
     n_rows, n_cols = logits.shape
     ws = workspace
     write_grad = grad_scale is not None
+    if row_scaled:  # no pass over the slab, slot-major partials: a kernel over blocks of rows
+        row_scaled_finish(
+            target,
+            loss_rows,
+            ws,
+            n_cols=n_cols,
+            ignore_index=ignore_index,
+            write_loss=write_loss,
+            z_loss_scale=z_loss_scale,
+            class_weight=class_weight,
+            z_loss_rows=z_loss_rows,
+            argmax_rows=argmax_rows,
+            token_scaling=token_scaling,
+            grad_scale=grad_scale,
+            scale_per_row=scale_per_row,
+            entropy_rows=entropy_rows,
+            filter_flags=filter_flags,
+            filter_eps=filter_eps,
+        )
+        return
     # Without a gradient only segment 0 has work (the row's loss): launch one program per row.
     grid = (n_rows, ws.segments_per_tile if write_grad else 1)
     _ce_finish_kernel[grid](
@@ -610,11 +597,8 @@ def ce_finish(
         triton.cdiv(n_cols, ws.scaled_exp_tile) if ws.scaled_exp_tile else ws.segments_per_tile,
         SCALED_EXP_TILE=ws.scaled_exp_tile,
         target_coef_ptr=ws.target_coef,
-        row_scale_ptr=ws.row_scale if row_scaled or redo else None,
+        row_scale_ptr=ws.row_scale if redo else None,
         redo_ptr=ws.redo if redo else None,
-        row_shift_ptr=ws.row_shift if row_scaled else None,
-        slot_stride=ws.partials.shape[1],
-        ROW_SCALED=row_scaled,
         REDO_ONLY=redo,
         HAS_Z_LOSS=z_loss_rows is not None,
         WRITE_LOSS=write_loss,

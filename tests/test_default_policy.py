@@ -2,7 +2,8 @@
 
 Derived entries: max_slab = max(128 MiB, largest power of two <= 3% of (total - 64 GiB)), with
 the total memory of the family's common part (DeviceInfo.synthetic). H200's entry is measured
-(results/) and must agree with the rule as well.
+(results/) and must agree with the rule as well at V=262144; its budget (2.5 GiB) gives Qwen's 151936 classes
+8192 rows where 2 GiB gives 4096.
 """
 
 from __future__ import annotations
@@ -44,3 +45,11 @@ def test_the_40gb_a100_gets_the_floor():
     small = DeviceInfo.synthetic("A100").model_copy(update={"total_memory_bytes": 40 * GIB})
     geometry = FLCEPolicy.packaged().resolve(Problem(65536, 5376, 262144), small)
     assert geometry.slab_bytes == 128 * MIB
+
+
+def test_the_h200_gives_qwen_heads_8192_rows_and_the_large_heads_the_rule_slab():
+    h200 = DeviceInfo.synthetic("H200")
+    policy = FLCEPolicy.packaged()
+    assert policy.resolve(Problem(16384, 896, 151936), h200).chunk_size == 8192  # 2.32 GiB
+    assert policy.resolve(Problem(16384, 1152, 262144), h200).chunk_size == 4096  # 2 GiB
+    assert policy.resolve(Problem(32768, 4096, 128256), h200).chunk_size == 8192  # 1.96 GiB
