@@ -34,9 +34,11 @@ from .weight_grad_filter import flag_codes
 
 __all__ = ["row_scaled_finish"]
 
-#: (rows per program, slots per block, warps). A row's 32 slots side by side are 128 bytes: a block's loads are
-#: whole sectors; 16 rows give 256 programs at a 4096-row chunk, two per SM.
-_LAUNCH = (16, 128, 4)
+#: (rows per program, slots per block, warps): 16 rows side by side are 64 bytes, two whole sectors per slot; 256
+#: programs at a 4096-row chunk. The best of 7 with the filter's flags (H200, results/2026-12-02-h200-session19/call4/
+#: finish_launch_probe.log: 39 us at 4096 rows x 1187 slots, 76 us at 8192 x 1024, against 40 and 89 for (16, 128,
+#: 4)); without a filter all 7 took the host's launch time (28-30 us).
+_LAUNCH = (16, 256, 4)
 _LOG2E = tl.constexpr(1.4426950408889634)
 
 
