@@ -286,6 +286,7 @@ def scaled_exp_policy(policy: Any, *, rows: bool = False, warp_specialised: bool
             entry["inner"] = inner
         entry["rows"] = rows
         entry["warp_specialised"] = warp_specialised
+        entry.pop("ws_max_hidden", None)  # (the form asked for at every hidden size)
     form = "the row-scaled form" if rows else "the scaled-exp slab"
     form = "the warp-specialised row-scaled form" if warp_specialised else form
     return FLCEPolicy.from_dict(config, source=f"{policy.source}, each strategy on {form}")

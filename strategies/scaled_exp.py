@@ -28,20 +28,27 @@ class ScaledExp(ChunkStrategy):
 
     With ``warp_specialised=True`` too (it needs ``rows``) the slab form is ``"scaled_exp_ws"``: the row-scaled
     form whose logits GEMM is a warp-specialised Gluon kernel on Hopper (sm_90; a later GPU runs
-    ``"scaled_exp_rows"``).
+    ``"scaled_exp_rows"``). ``ws_max_hidden`` (None: no limit) keeps heads of a larger hidden size on
+    ``"scaled_exp_rows"``: the Gluon kernel's 128x128 tiles gain at short K (the hidden size) and lose a little to
+    the Triton GEMM's 128x256 at long K.
 
     YAML: ``{strategy: scaled_exp, inner: {strategy: slab_budget, max_slab: 2GiB}}`` (and ``rows: true``,
-    ``warp_specialised: true``).
+    ``warp_specialised: true``, ``ws_max_hidden: 3072``).
     """
 
     name = "scaled_exp"
 
     def __init__(
-        self, inner: ChunkStrategy | dict[str, Any], rows: bool = False, warp_specialised: bool = False
+        self,
+        inner: ChunkStrategy | dict[str, Any],
+        rows: bool = False,
+        warp_specialised: bool = False,
+        ws_max_hidden: int | None = None,
     ) -> None:
         self.inner = inner
         self.rows = rows
         self.warp_specialised = warp_specialised
+        self.ws_max_hidden = ws_max_hidden
 
     def validate_params(self) -> None:
         if self.inner is None:
@@ -61,6 +68,17 @@ class ScaledExp(ChunkStrategy):
                 "form's)",
                 param="warp_specialised",
             )
+        limit = self.ws_max_hidden
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise StrategyError(
+                f"scaled_exp: ws_max_hidden must be a positive integer (a hidden size) or null, got {limit!r}",
+                param="ws_max_hidden",
+            )
+        if limit is not None and not self.warp_specialised:
+            raise StrategyError(
+                "scaled_exp: ws_max_hidden limits the warp-specialised GEMM: it needs warp_specialised: true",
+                param="ws_max_hidden",
+            )
         validate_nested(self, "inner")
         if nested_strategy(self, "inner").dynamic:  # type: ignore[union-attr]
             raise StrategyError(
@@ -75,13 +93,16 @@ class ScaledExp(ChunkStrategy):
     def geometry(self, problem: Problem, device: DeviceInfo, *, rule: str | None = None) -> Geometry:
         self.validate_params()
         inner = checked_geometry(nested_strategy(self, "inner"), problem, device, rule=rule)  # type: ignore[arg-type]
-        wanted = "scaled_exp_ws" if self.warp_specialised else "scaled_exp_rows" if self.rows else "scaled_exp"
+        ws = self.warp_specialised and (self.ws_max_hidden is None or problem.hidden <= self.ws_max_hidden)
+        wanted = "scaled_exp_ws" if ws else "scaled_exp_rows" if self.rows else "scaled_exp"
         form = runnable_slab_form(wanted, problem, inner.vocab_chunk, device)
         return inner.with_slab_form(form).with_origin(strategy=repr(self))
 
     def to_config(self) -> dict[str, Any]:
         config = super().to_config()
         nested_config(self, "inner", config)
+        if config.get("ws_max_hidden") is None:  # no limit: the YAML as before the key existed
+            config.pop("ws_max_hidden", None)
         return config
 
 

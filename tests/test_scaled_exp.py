@@ -591,6 +591,30 @@ def test_the_warp_specialised_form_is_a_strategy_parameter():
         ScaledExp({"strategy": "heuristic_c", "c": 16}, rows=True, warp_specialised="yes").validate_params()
 
 
+def test_ws_max_hidden_keeps_larger_heads_on_the_triton_row_scaled_gemm():
+    """``ws_max_hidden``: the Gluon GEMM up to that hidden size, the row-scaled form's Triton GEMM above it (on
+    Hopper; a later GPU runs the row-scaled form at any size); it round-trips, and a bad value is named."""
+    config = {
+        "strategy": "scaled_exp",
+        "inner": {"strategy": "heuristic_c", "c": 16},
+        "rows": True,
+        "warp_specialised": True,
+        "ws_max_hidden": 3072,
+    }
+    strategy = strategy_from_config(config)
+    assert strategy.to_config() == config
+    h200, b200 = DeviceInfo.synthetic("H200"), DeviceInfo.synthetic("B200")
+    forms = {h: strategy.geometry(Problem(16384, h, 131072, "bfloat16"), h200).slab_form for h in (2048, 3072, 3080)}
+    assert forms == {2048: "scaled_exp_ws", 3072: "scaled_exp_ws", 3080: "scaled_exp_rows"}
+    assert strategy.geometry(Problem(16384, 1024, 131072, "bfloat16"), b200).slab_form == "scaled_exp_rows"
+    assert "ws_max_hidden" not in ScaledExp(config["inner"], rows=True, warp_specialised=True).to_config()
+    for bad in (0, -1, 2.5, "4k", True):
+        with pytest.raises(StrategyError, match="ws_max_hidden must be a positive integer"):
+            ScaledExp(config["inner"], rows=True, warp_specialised=True, ws_max_hidden=bad).validate_params()
+    with pytest.raises(StrategyError, match="ws_max_hidden limits the warp-specialised GEMM"):
+        ScaledExp(config["inner"], rows=True, ws_max_hidden=3072).validate_params()
+
+
 def test_the_warp_specialised_form_writes_128_column_slots_slot_major(monkeypatch):
     """Its row-scaled chunks' workspace has a slot per 128 columns and the GEMM writes each slot's row sums
     slot-major (slot s of row r at s * rows + r), as the Gluon GEMM does; fp64's per-tile sums of exp(z - z_y)."""
