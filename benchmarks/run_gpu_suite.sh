@@ -41,7 +41,8 @@ while [ $# -gt 0 ]; do
       TRITON_INTERPRET=0 FLCE_GPU_REPORT="$out/gpu_tests.jsonl" python3 -m pytest "$repo/tests" -m gpu -s -q -p no:cacheprovider --continue-on-collection-errors \
         --junitxml="$out/gpu_tests.xml" 2>&1 | tee "$out/gpu_tests.log" || status=1
       # the scaled-exp slab's option tests (the interpreter's shapes), compiled on CUDA: every option on the GPU
-      TRITON_INTERPRET=0 python3 -m pytest "$repo/tests/test_scaled_exp.py" -q -p no:cacheprovider 2>&1 \
+      TRITON_INTERPRET=0 python3 -m pytest "$repo/tests/test_scaled_exp.py" "$repo/tests/test_row_scaled_finish.py" -q \
+        -p no:cacheprovider 2>&1 \
         | tee "$out/gpu_scaled_exp_options.log" || status=1
       # the filtered grad_weight kernel's launches (TMA wide and narrow, pointer-based) against fp64, with and without
       # the rescue, and the rescue at the loss, compiled
