@@ -21,8 +21,6 @@ With a grad_weight filter, each ``FLAG_COLS`` columns' flag byte from the GEMM's
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -30,7 +28,7 @@ import triton.language as tl
 from flce_policy.plan.weight_filter import FILTER_COLS
 
 from .row_partials import CEWorkspace
-from .weight_grad_filter import flag_codes
+from .weight_grad_filter import eps_logs, flag_codes
 
 __all__ = ["row_scaled_finish"]
 
@@ -192,6 +190,7 @@ def row_scaled_finish(
     n_rows = target.shape[0]
     block_r, block_s, num_warps = _LAUNCH
     filtering = filter_flags is not None and grad_scale is not None
+    log_eps, log2_eps = eps_logs(filter_eps) if filtering else (0.0, 0.0)
     _row_scaled_finish_kernel[(triton.cdiv(n_rows, block_r),)](
         target,
         class_weight,
@@ -215,8 +214,8 @@ def row_scaled_finish(
         triton.cdiv(n_cols, ws.scaled_exp_tile),
         ignore_index,
         z_loss_scale,
-        (math.log(filter_eps) if filter_eps > 0 else -math.inf) if filtering else 0.0,  # eps 0 keeps every tile
-        (math.log2(filter_eps) if filter_eps > 0 else -math.inf) if filtering else 0.0,
+        log_eps,
+        log2_eps,
         HAS_WEIGHT=class_weight is not None,
         HAS_Z_LOSS=z_loss_rows is not None,
         TRACK_ARGMAX=argmax_rows is not None,

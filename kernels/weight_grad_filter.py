@@ -78,6 +78,7 @@ __all__ = [
     "filter_scratch_for",
     "filtered_weight_grad",
     "flag_tiles",
+    "eps_logs",
     "finish_kernel_args",
     "observe_tiles",
     "store_flags",
@@ -141,6 +142,11 @@ def flag_codes(kept, log2_top, log2_eps):
     return tl.where(kept, _KEPT, _KEPT - level.to(tl.int32)).to(tl.uint8)
 
 
+def eps_logs(eps: float) -> tuple[float, float]:
+    """``(ln eps, log2 eps)`` as the flag kernels take them: eps 0 gives -inf, which keeps every tile."""
+    return (math.log(eps), math.log2(eps)) if eps > 0 else (-math.inf, -math.inf)
+
+
 def finish_kernel_args(ws: CEWorkspace, flags: torch.Tensor | None, eps: float) -> dict:
     """The CE finish kernel's filter arguments: none (the kernel as without a filter) when ``flags`` is None."""
     if flags is None:
@@ -150,11 +156,12 @@ def finish_kernel_args(ws: CEWorkspace, flags: torch.Tensor | None, eps: float) 
         # one block writes a flag whole (no atomics): a narrower block only when it is the whole tile, as
         # MAX_BLOCK_V >= FILTER_COLS makes it (a test that lowers MAX_BLOCK_V below that gets this error)
         raise ValueError(f"the grad_weight filter needs blocks of >= {FILTER_COLS} columns, got {ws.block_v}")
+    log_eps, log2_eps = eps_logs(eps)
     return dict(
         flags_ptr=flags,
         flag_row_stride=flags.stride(0),
-        filter_log_eps=math.log(eps) if eps > 0 else -math.inf,  # eps 0 keeps every tile
-        filter_log2_eps=math.log2(eps) if eps > 0 else -math.inf,
+        filter_log_eps=log_eps,
+        filter_log2_eps=log2_eps,
         FILTER=True,
         FLAG_GROUPS=max(ws.block_v // FILTER_COLS, 1),
         FLAG_COLS=FILTER_COLS,
