@@ -31,7 +31,7 @@ variants = {
         "                gl.store(maxima_ptr + slot, gl.max(e16, axis=1).to(gl.float32), mask=row_ok)\n"
         "            c_smem.store(e16)\n"),
     "z_max": src.replace(exp_line, "            if HAS_MAXIMA:\n                zmax = gl.max(acc, axis=1)\n" + exp_line).replace(
-        cur, "                gl.store(maxima_ptr + slot, gl.exp2(gl.fma(zmax, LOG2E, -(shift * LOG2E))), mask=row_ok)\n"),
+        cur, "                gl.store(maxima_ptr + slot, gl.exp2(gl.fma(zmax, gl.full([BLOCK_M], LOG2E, gl.float32, row_layout), -(shift * LOG2E))), mask=row_ok)\n"),
     "store": src.replace(cur, "                gl.store(maxima_ptr + slot, tile_sum, mask=row_ok)\n"),
 }
 mods = {}
