@@ -152,14 +152,15 @@ if _GLUON_ERROR is None:
             slot = pid_n.to(gl.int64) * slot_stride + rows
             tile_sum = gl.sum(e, axis=1)
             gl.store(sums_ptr + slot, tile_sum, mask=row_ok)
-            if HAS_MAXIMA:
-                gl.store(maxima_ptr + slot, gl.max(e, axis=1), mask=row_ok)
+            stored = e.to(out_desc.dtype)
+            if HAS_MAXIMA:  # of the slab's values, as scaled_exp.py's: a bf16 reduction, not an fp32 one
+                gl.store(maxima_ptr + slot, gl.max(stored, axis=1).to(gl.float32), mask=row_ok)
             # a row past the shift limit flags the chunk; each such row writes the same 1 itself (a max over the
             # tile's rows first would cross warps, through shared memory, in every epilogue)
             flag = gl.full([BLOCK_M], 1, gl.int32, row_layout)
             gl.store(redo_ptr + rows * 0, flag, mask=row_ok & (tile_sum > SHIFT_LIMIT_EXP))
             tma.store_wait(pendings=0)  # our previous TMA store has read this buffer (the other has its own)
-            c_smem.store(e.to(out_desc.dtype))
+            c_smem.store(stored)
             fence_async_shared()
             _tma_store(out_desc, [off_m, off_n], c_smem)  # clipped at n rows and V columns
             j += 1
@@ -259,7 +260,8 @@ def row_scaled_exp_gemm(
 ) -> None:
     """``slab [n, V] = bf16(exp(z - row_shift))`` for ``z = x_chunk @ weight.T`` (fp32), and per column tile ``j``
     of :data:`WS_TILE` columns and row ``r < n``: ``sums[j * slot_stride + r]``, the tile's sum of the fp32
-    exponentials (columns past V excluded), and if given ``maxima[...]`` at the same places, their maximum.
+    exponentials (columns past V excluded), and if given ``maxima[...]`` at the same places, the maximum of the
+    slab's (bf16) values.
 
     ``row_shift`` fp32 [>= n] (``+inf``: an ignored row, zeros); ``redo`` int32 [1] is set to 1 where a row's tile
     sum exceeds ``exp(64)``, never cleared here. bf16 x, W and slab; H and V multiples of 8; a Hopper GPU."""

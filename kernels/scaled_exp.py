@@ -178,19 +178,22 @@ def _scaled_exp_gemm_kernel(
             else:  # past V, e = 0 and z = -inf: a floor on z makes 0 * z a 0 without the column mask live (spills)
                 tl.store(partials_ptr + 6 * plane + slot, tl.sum(e * tl.maximum(acc, -3.0e38), axis=1), mask=row_ok)
         tile_sum = tl.sum(e, axis=1)
+        if IEEE:  # the interpreter truncates a cast to bf16: round to nearest first, as the GPU's cast does
+            e = rounded(e, out_desc.dtype)
+        stored = e.to(out_desc.dtype)
         if ROW_SHIFT and FLAG_MAXIMA:
-            # a grad_weight filter's inputs: each half's row maxima of exp(z - z_y) (the filter's columns are half a
-            # tile), in the smoothing planes, which the row-scaled form leaves unused; the CE finish flags from them.
-            # Taken from e, where the accumulator is no longer live: from z beside it the epilogue needed 252
-            # registers against 181 (Triton 3.6, sm_90, V a multiple of 256) and Triton 3.9 spilled where V is not
-            # (results/notes/2026-12-02-sm90-register-check*; not timed). A 128-column tile is one flag group.
+            # a grad_weight filter's inputs: each half's row maxima of the slab's exp(z - z_y) (the filter's columns
+            # are half a tile), in the smoothing planes, which the row-scaled form leaves unused; the CE finish flags
+            # from them. Of the stored values, as the per-tile form's flags read the slab: the G the backward
+            # multiplies, and in bf16 the cheaper reduction (the Gluon GEMM's maxima cost 1-2% of it over 3-8% from
+            # fp32 e, H200, results/2026-12-02-h200-session20/maxima_probe.log). A 128-column tile is one group.
             if BLOCK_N == 2 * _FLAG_COLS:
-                lower_max, upper_max = tl.split(tl.max(tl.reshape(e, (BLOCK_M, 2, BLOCK_N // 2)), axis=2))
-                tl.store(partials_ptr + 2 * plane + slot, lower_max, mask=row_ok)
-                tl.store(partials_ptr + 3 * plane + slot, upper_max, mask=row_ok)
+                lower_max, upper_max = tl.split(tl.max(tl.reshape(stored, (BLOCK_M, 2, BLOCK_N // 2)), axis=2))
+                tl.store(partials_ptr + 2 * plane + slot, lower_max.to(tl.float32), mask=row_ok)
+                tl.store(partials_ptr + 3 * plane + slot, upper_max.to(tl.float32), mask=row_ok)
             else:
                 tl.static_assert(BLOCK_N == _FLAG_COLS, "one or two flag groups per tile")
-                tl.store(partials_ptr + 2 * plane + slot, tl.max(e, axis=1), mask=row_ok)
+                tl.store(partials_ptr + 2 * plane + slot, tl.max(stored, axis=1).to(tl.float32), mask=row_ok)
         if ROW_SHIFT:
             # a row whose logits lie more than SHIFT_LIMIT above its target's: the chunk is redone per tile. Each
             # such row writes the flag itself (the same 1: no race that matters); a max over the tile's rows first
@@ -199,9 +202,7 @@ def _scaled_exp_gemm_kernel(
         if not ROW_SHIFT:  # (the row-scaled finish reads the row's shift itself)
             tl.store(partials_ptr + slot, m, mask=row_ok)
         tl.store(partials_ptr + plane + slot, tile_sum, mask=row_ok)
-        if IEEE:  # the interpreter truncates a cast to bf16: round to nearest first, as the GPU's cast does
-            e = rounded(e, out_desc.dtype)
-        out_desc.store([row0, col0], e.to(out_desc.dtype))
+        out_desc.store([row0, col0], stored)
 
 
 @triton.jit
@@ -254,7 +255,7 @@ def scaled_exp_logits(
     the row's shift, and the workspace's redo flag set where a row's logits lie more than :data:`SHIFT_LIMIT`
     above its target's. ``redo``: the per-tile form again, over the same chunk, only where that flag is set
     (no tiles otherwise; the target logits are kept). ``flag_maxima`` (row-scaled only): each half tile's row
-    maxima of ``exp(z - z_y)`` too, for a grad_weight filter's flags (:func:`.ce_kernel.ce_finish`). Nothing is
+    maxima of the slab's ``exp(z - z_y)`` too, for a grad_weight filter's flags (:func:`.row_scaled_finish`). Nothing is
     checked here: a geometry has this slab form only where :mod:`flce_policy.plan.scaled_exp` says it can run."""
     n_rows, hidden = x_chunk.shape
     n_cols = weight.shape[0]
