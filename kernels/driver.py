@@ -35,7 +35,7 @@ from .gemm import accumulate_mm
 from .scaled_exp import scaled_exp_logits
 from .target_grad import TargetTerms
 from .vocab_tiled import run_vocab_tiled
-from .weight_grad_filter import filter_scratch_for, filtered_weight_grad, flag_tiles
+from .weight_grad_filter import count_unfiltered, filter_scratch_for, filtered_weight_grad, flag_tiles
 
 # The call and event types and the test hooks live below both drivers (driver_call); re-exported as the driver's API.
 __all__ = [
@@ -130,7 +130,12 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
     x_scaled = torch.empty_like(x[:chunk_size]) if row_scaled and grad_weight is not None else None
     weight_t = weight.t()
     scratch = filter_scratch_for(call, chunk_size, geometry.vocab_chunk)  # None: the dense GEMMs
+    flagging = scratch is not None
     for index in range(geometry.num_chunks):
+        # once a chunk's flags kept every tile (nothing to skip: random logits), the call's later chunks go dense
+        # without flags, which cost 2-3% of a chunk (the GEMM's row maxima, the finish's flag bytes; H200,
+        # results/2026-12-02-h200-session20/overhead_probe.log) that a chunk like it would not win back
+        chunk_scratch = scratch if flagging else None
         if _fault_hooks:
             before_chunk(geometry, index)
         start = index * chunk_size
@@ -162,7 +167,7 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
                     ignore_index=params.ignore_index,
                     row_scaled=row_scaled and not redo,
                     redo=redo,
-                    flag_maxima=scratch is not None,
+                    flag_maxima=chunk_scratch is not None,
                 )
             elif bias is None:
                 torch.mm(x_chunk, weight_t, out=logits)
@@ -182,7 +187,7 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
                 token_scaling=params.token_scaling,
                 scale_per_row=scale_per_row,
                 shard=params.shard,
-                filter_flags=None if scratch is None else scratch.flags,
+                filter_flags=None if chunk_scratch is None else chunk_scratch.flags,
                 filter_eps=params.grad_weight_filter or 0.0,
                 row_scaled=row_scaled and not redo,
                 redo=redo,
@@ -191,8 +196,8 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
         # the filter's tile count, queued now: the host reads it while the GPU runs the grad_input GEMM
         flagged = (
             None
-            if scratch is None
-            else flag_tiles(scratch, stop - start, logits.shape[1], rescue=params.grad_weight_filter_rescue)
+            if chunk_scratch is None
+            else flag_tiles(chunk_scratch, stop - start, logits.shape[1], rescue=params.grad_weight_filter_rescue)
         )
         # a scaled-exp slab's gradient lacks the target's one-hot term: added beside the GEMMs (target_grad)
         target_terms = (
@@ -211,21 +216,25 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
             )
         # the row-scaled slab is the gradient over each row's scale: grad_weight's GEMM takes x_c times it
         x_operand = x_chunk if x_scaled is None else x_scaled[: stop - start]
-        if scratch is not None:
+        if chunk_scratch is not None:
             filtered_weight_grad(
                 grad_weight,
                 logits,
                 x_operand,
-                scratch,
+                chunk_scratch,
                 first=index == 0,
                 grad_bias=grad_bias,
                 rescue=params.grad_weight_filter_rescue,
                 flagged=flagged,
             )
-        elif grad_weight is not None:
-            # The first chunk overwrites (beta=0): no zero-fill of a parameter-sized buffer.
-            accumulate_mm(grad_weight, logits.t(), x_operand, first=index == 0)
-        if grad_bias is not None and scratch is None:
+            flagging = not flagged.every_tile_flagged()
+        else:
+            if grad_weight is not None:
+                # The first chunk overwrites (beta=0): no zero-fill of a parameter-sized buffer.
+                accumulate_mm(grad_weight, logits.t(), x_operand, first=index == 0)
+            if scratch is not None:
+                count_unfiltered(stop - start, logits.shape[1], logits.device)
+        if grad_bias is not None and chunk_scratch is None:
             grad_bias += logits.sum(dim=0, dtype=torch.float32)
         if target_terms is not None and target_terms.exact_for(grad_weight):
             target_terms.into_weight_grads(grad_weight, grad_bias, x_chunk)

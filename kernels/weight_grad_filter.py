@@ -74,6 +74,7 @@ __all__ = [
     "FilterScratch",
     "FlaggedTiles",
     "TileCount",
+    "count_unfiltered",
     "filter_scratch",
     "filter_scratch_for",
     "filtered_weight_grad",
@@ -205,6 +206,16 @@ def observe_tiles() -> Iterator[list[TileCount]]:
         yield counts
     finally:
         _observers.remove(counts)
+
+
+def count_unfiltered(n_rows: int, n_cols: int, device: torch.device) -> None:
+    """Tell the observers (:func:`observe_tiles`) of a filtered call's ``[n_rows, n_cols]`` slab whose grad_weight
+    went through the dense GEMM: every tile multiplied, none rescued."""
+    if _observers:
+        total = triton.cdiv(n_rows, FILTER_ROWS) * triton.cdiv(n_cols, FILTER_COLS)
+        count = TileCount(torch.tensor(total, device=device), total, torch.zeros((), dtype=torch.int64, device=device))
+        for observer in _observers:
+            observer.append(count)
 
 
 def filter_scratch(rows: int, tile_cols: int, device: torch.device) -> FilterScratch:
@@ -519,20 +530,32 @@ class FlaggedTiles:
     """A chunk's flagged tiles, counted with the rescue's expected share of the others and on their way to the
     host: :func:`flag_tiles`."""
 
-    __slots__ = ("n_rows", "n_cols", "rescue", "_count")
+    __slots__ = ("n_rows", "n_cols", "rescue", "_count", "_units")
 
     def __init__(self, n_rows: int, n_cols: int, rescue: int, count: HostRead | None) -> None:
         self.n_rows, self.n_cols, self.rescue, self._count = n_rows, n_cols, rescue, count
+        self._units: int | None = None
+
+    def _tiles(self) -> tuple[int, float] | None:
+        """(all tiles, tiles expected multiplied), read once; None where nothing was counted."""
+        if self._count is None:
+            return None
+        if self._units is None:
+            self._units = int(self._count.wait()[0])
+        total = triton.cdiv(self.n_rows, FILTER_ROWS) * triton.cdiv(self.n_cols, FILTER_COLS)
+        return total, self._units / 2 ** rescue_max_level(self.rescue)
 
     def dense_is_faster(self, all_kept_cost: float) -> bool:
         """Whether cuBLAS's dense GEMM beats the kernel: decided on the flagged tiles and the rescue's expected
         2^-L of each other one, not on the tiles the hash draws (the rescue stays unbiased: the dense product is
         the expectation it estimates). False (the kernel) where nothing was counted (a CUDA graph being captured)."""
-        if self._count is None:
-            return False
-        total = triton.cdiv(self.n_rows, FILTER_ROWS) * triton.cdiv(self.n_cols, FILTER_COLS)
-        multiplied = int(self._count.wait()[0]) / 2 ** rescue_max_level(self.rescue)
-        return multiplied * all_kept_cost >= total
+        tiles = self._tiles()
+        return tiles is not None and tiles[1] * all_kept_cost >= tiles[0]
+
+    def every_tile_flagged(self) -> bool:
+        """Whether the flags keep every tile (nothing to skip); False where nothing was counted."""
+        tiles = self._tiles()
+        return tiles is not None and tiles[1] == tiles[0]
 
 
 def flag_tiles(
@@ -643,12 +666,10 @@ def filtered_weight_grad(
             kept, tiles, tiles.stride(0), counts, level_ends, row_tiles, ROW_TILES=triton.next_power_of_2(row_tiles),
             MAX_LEVEL=max_level,
         )  # fmt: skip
-    if _observers:
-        count = (
-            TileCount(counts.new_tensor(total), total, counts.new_zeros(()))  # every tile multiplied, none scaled
-            if dense
-            else TileCount(counts[:col_blocks].sum(), total, _rescued_count(level_ends, col_blocks, max_level))
-        )
+    if dense:
+        count_unfiltered(n_rows, n_cols, grad.device)
+    elif _observers:
+        count = TileCount(counts[:col_blocks].sum(), total, _rescued_count(level_ends, col_blocks, max_level))
         for observer in _observers:
             observer.append(count)
     if dense:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from test_loss_kernel import DEVICE, rel_err
 
 from flce_policy import fused_linear_cross_entropy
+from flce_policy.kernels import driver
 from flce_policy.kernels.weight_grad_filter import observe_tiles
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.problem import Problem
@@ -125,7 +126,8 @@ def reference(
     deviation = (p - onehot).abs()
 
     def keep_at(threshold: float) -> torch.Tensor:
-        return ((deviation >= threshold) | (onehot > 0)) & valid[:, None]
+        keep = ((deviation >= threshold) | (onehot > 0)) & valid[:, None]
+        return keep if vocab_chunk else unflagged_after_a_full_chunk(keep, chunk)
 
     mask = _tile_mask(keep_at(eps), chunk, vocab_chunk or V)
     for nearby in (eps * (1 - 1e-3), eps * (1 + 1e-3)):  # the kernel's fp32 p could fall either side of eps
@@ -144,6 +146,18 @@ def reference(
         "kept_share": mask.double().mean(),
         "kept_tiles": int(_tiles_kept(keep_at(eps), chunk, vocab_chunk or V)[0].sum()),
     }
+
+
+def unflagged_after_a_full_chunk(keep: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``keep [rows, classes]`` as the driver (one vocab tile) applies it: once a chunk's tiles are all kept, the
+    later chunks are not flagged and go dense, as if each of their entries were kept."""
+    tiles, row_tile, _ = _tiles_kept(keep, chunk, keep.shape[1])
+    out = keep.clone()
+    for start in range(0, keep.shape[0], chunk):
+        if bool(tiles[row_tile[start : start + chunk].unique()].all()):
+            out[start + chunk :] = True
+            break
+    return out
 
 
 def _tile_mask(keep: torch.Tensor, chunk: int, vocab_chunk: int) -> torch.Tensor:
@@ -223,6 +237,31 @@ def test_flat_logits_nothing_skipped_same_results():
     # nothing to skip: the dense fallback runs the dense call's GEMM, so grad_weight and grad_bias are its own
     assert torch.equal(filtered[2]["w"], dense[2]["w"])
     assert rel_err(filtered[2]["w"], ref["dense_w"]) < FP32_TOL
+
+
+@pytest.mark.parametrize(("ignored_chunk", "flagged", "kept"), [(1, [True, False], [4, 4]), (0, [True, True], [0, 4])])
+def test_after_a_chunk_gone_dense_the_later_chunks_are_not_flagged(monkeypatch, ignored_chunk, flagged, kept):
+    """A chunk whose kept tiles make the dense GEMM the faster (flat logits) leaves the call's later chunks
+    unflagged (no flag cost) and dense; a chunk whose tiles were skipped (every row ignored) leaves the next one
+    flagged. Results: the dense call's."""
+    seen = []
+    ce_rows = driver.ce_rows
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["filter_flags"] is not None)
+        return ce_rows(*args, **kwargs)
+
+    monkeypatch.setattr(driver, "ce_rows", spy)
+    t = leaves(flat_inputs(), torch.float32)
+    t["y"][64 * ignored_chunk : 64 * (ignored_chunk + 1)] = -100  # 2 chunks: rows 0-63 and 64-99
+    dense = run(t, policy=geometry(torch.float32))
+    seen.clear()
+    with observe_tiles() as tiles:
+        filtered = run(t, policy=geometry(torch.float32), grad_weight_filter=FLAT_EPS)
+    assert seen == flagged
+    assert [int(c.kept) for c in tiles] == kept and [c.total for c in tiles] == [4, 4]
+    assert_same(filtered, dense)
+    assert torch.equal(filtered[2]["w"], dense[2]["w"])
 
 
 @pytest.mark.parametrize("reduction", ["sum", "none"])
