@@ -124,6 +124,24 @@ def test_cost_model_prices_the_skipped_share():
         predict_seconds(filtered, rates, skipped_share=1.5)
 
 
+def test_cost_model_prices_the_flags_on_the_first_chunk_only_when_nothing_is_skipped():
+    problem = Problem(tokens=8192, hidden=4096, vocab=131072, dtype="bfloat16")
+    rates = RATES["H200"]
+
+    def flag_cost(chunk: int, skipped_share: float) -> float:
+        filtered = Geometry.for_problem(problem, chunk, grad_weight_filter=2.0**-12)
+        dense = Geometry.for_problem(problem, chunk)
+        return (
+            predict_seconds(filtered, rates, skipped_share=skipped_share).seconds
+            - predict_seconds(dense, rates, skipped_share=skipped_share).seconds
+        )
+
+    assert flag_cost(8192, 0.0) > 0
+    assert flag_cost(2048, 0.0) == pytest.approx(flag_cost(8192, 0.0) / 4)
+    # something to skip: every chunk is flagged (the kernel's share shrinks, the flags' cost stays per chunk)
+    assert flag_cost(2048, 0.05) > flag_cost(2048, 0.0) * 2
+
+
 def test_compiled_op_carries_the_filter():
     t = leaves(peaked_inputs(), torch.float32)
     chunk64 = Geometry.for_problem(Problem(tokens=BT, hidden=H, vocab=V, dtype="float32"), 64)

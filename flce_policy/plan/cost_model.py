@@ -19,15 +19,16 @@ Terms (seconds), each traced to measurements on the H200 (results/notes/README.m
   kept (listing the kept tiles, writing every block of grad_weight), plus one write and read of the
   per-row flags; with a rescue N (``geometry.grad_weight_filter_rescue``), at least 1/N of the skipped share
   is multiplied after all (1/N taken: the share by level depends on the logits); the kept share's
-  cost is capped at a dense GEMM's (the kernel hands a chunk with
-  nearly every tile kept to cuBLAS). These are the TMA launch's (Hopper and later); the pointer-based launches that run
-  where TMA cannot are slower, not modelled apart;
+  cost is capped at a dense GEMM's (the kernel hands a chunk with nearly every tile kept to cuBLAS); with
+  nothing skipped (and row-only geometry) the fixed share and the flags are paid on the first chunk only, whose
+  flags keeping every tile end the call's flagging. These are the TMA launch's (Hopper and later); the
+  pointer-based launches that run where TMA cannot are slower, not modelled apart;
 - the scaled-exp slab (``geometry.slab_form``): its logits GEMM at ``scaled_exp_gemm_efficiency`` of
   cuBLAS's rate, and the CE kernels one read and one write of the slab (its partials come from the GEMM);
   (``ws_gemm_efficiency`` for ``"scaled_exp_ws"``'s Gluon GEMM);
   in the row-scaled form (``"scaled_exp_rows"``, as calls without a bias or label smoothing run it) no CE
   pass over the slab, x_c scaled per row for grad_weight and grad_input scaled per row (a read and a write
-  of each), and with a grad_weight filter one read of the slab for the flags (not yet measured on a GPU);
+  of each; a grad_weight filter's flags come from the GEMM's row maxima, priced as the flags above);
 - vocab parallel (``problem.tp_size > 1``, the problem being one rank's shard): the collectives of
   :func:`flce_policy.plan.collectives.comm_plan`, each paying ``collective_latency_s`` plus a ring
   all-reduce's ``2 (n - 1) / n`` of its bytes at ``link_bytes_per_s``. These two rates are
@@ -157,18 +158,17 @@ def predict_seconds(
     # two reads and a write of the slab; the scaled-exp slab's partials come from the GEMM: a read and a write,
     # and none in its row-scaled form (a filter's flags come from the GEMM's epilogue too)
     ce_passes = 0 if rows else 2 if scaled_exp else 3
+    # with nothing skipped, only the first chunk is flagged: its flags keep every tile, which ends the flagging
+    flagged_share = 1.0 / geometry.num_chunks if kept >= 1.0 and geometry.is_row_only else 1.0
     terms = {
         "gemm": (gemms - 1 if filtered else gemms) * one_gemm,
         # the scaled-exp slab's logits GEMM (its epilogue) over cuBLAS's
         "scaled_exp_epilogue": one_gemm * (1.0 / gemm_efficiency - 1.0) if scaled_exp else 0.0,
-        # the filtered grad_weight GEMM, and its flags: one byte per row and 128 classes, written and read
-        # (where the kernel would be slower than cuBLAS, nearly every tile kept, the dense GEMM runs instead)
+        # the filtered grad_weight GEMM (where the kernel would be slower than cuBLAS, nearly every tile kept, the
+        # dense GEMM runs instead), and its flags: one byte per row and 128 classes, written and read
         "grad_weight_filtered": one_gemm
-        * (
-            rates.filter_fixed_share
-            + (1.0 if kept * ALL_KEPT_COST["tma"] >= 1.0 else kept / rates.filtered_gemm_efficiency)
-        )
-        + 2 * p.tokens * p.vocab / FILTER_COLS / hbm
+        * (1.0 if kept * ALL_KEPT_COST["tma"] >= 1.0 else kept / rates.filtered_gemm_efficiency)
+        + (one_gemm * rates.filter_fixed_share + 2 * p.tokens * p.vocab / FILTER_COLS / hbm) * flagged_share
         if filtered
         else 0.0,
         "grad_weight_rmw": kept * (geometry.num_chunks - 1) * 2 * weight_elems * accum_item / rmw_bandwidth,
