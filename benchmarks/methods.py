@@ -286,7 +286,8 @@ def scaled_exp_policy(policy: Any, *, rows: bool = False, warp_specialised: bool
             entry["inner"] = inner
         entry["rows"] = rows
         entry["warp_specialised"] = warp_specialised
-        entry.pop("ws_max_hidden", None)  # (the form asked for at every hidden size)
+        entry.pop("ws_max_hidden", None)  # (the form asked for at every hidden size, chunked by the inner rule)
+        entry.pop("ws_inner", None)
     form = "the row-scaled form" if rows else "the scaled-exp slab"
     form = "the warp-specialised row-scaled form" if warp_specialised else form
     return FLCEPolicy.from_dict(config, source=f"{policy.source}, each strategy on {form}")

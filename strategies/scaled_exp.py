@@ -30,10 +30,12 @@ class ScaledExp(ChunkStrategy):
     form whose logits GEMM is a warp-specialised Gluon kernel on Hopper (sm_90; a later GPU runs
     ``"scaled_exp_rows"``). ``ws_max_hidden`` (None: no limit) keeps heads of a larger hidden size on
     ``"scaled_exp_rows"``: the Gluon kernel's 128x128 tiles gain at short K (the hidden size) and lose a little to
-    the Triton GEMM's 128x256 at long K.
+    the Triton GEMM's 128x256 at long K. ``ws_inner`` (None: ``inner``) chunks the heads that ask for the
+    warp-specialised GEMM (hidden size up to ``ws_max_hidden``), whichever form the GPU then runs: at a short K a
+    chunk's fixed costs (grad_weight's read-modify-write of ``[V, H]``) weigh more against its GEMMs.
 
     YAML: ``{strategy: scaled_exp, inner: {strategy: slab_budget, max_slab: 2GiB}}`` (and ``rows: true``,
-    ``warp_specialised: true``, ``ws_max_hidden: 3072``).
+    ``warp_specialised: true``, ``ws_max_hidden: 3072``, ``ws_inner: {strategy: fixed_chunk_size, chunk_size: 8192}``).
     """
 
     name = "scaled_exp"
@@ -44,11 +46,13 @@ class ScaledExp(ChunkStrategy):
         rows: bool = False,
         warp_specialised: bool = False,
         ws_max_hidden: int | None = None,
+        ws_inner: ChunkStrategy | dict[str, Any] | None = None,
     ) -> None:
         self.inner = inner
         self.rows = rows
         self.warp_specialised = warp_specialised
         self.ws_max_hidden = ws_max_hidden
+        self.ws_inner = ws_inner
 
     def validate_params(self) -> None:
         if self.inner is None:
@@ -79,21 +83,37 @@ class ScaledExp(ChunkStrategy):
                 "scaled_exp: ws_max_hidden limits the warp-specialised GEMM: it needs warp_specialised: true",
                 param="ws_max_hidden",
             )
-        validate_nested(self, "inner")
-        if nested_strategy(self, "inner").dynamic:  # type: ignore[union-attr]
+        if self.ws_inner is not None and not self.warp_specialised:
             raise StrategyError(
-                "scaled_exp: inner must decide from the problem and the device alone (a strategy that reads free "
-                "memory at each call is asked by the policy itself)",
-                param="inner",
+                "scaled_exp: ws_inner chunks the heads on the warp-specialised GEMM: it needs warp_specialised: true",
+                param="ws_inner",
             )
+        for param in ("inner", "ws_inner"):
+            validate_nested(self, param)
+            chosen = nested_strategy(self, param)
+            if chosen is not None and chosen.dynamic:
+                raise StrategyError(
+                    f"scaled_exp: {param} must decide from the problem and the device alone (a strategy that reads "
+                    "free memory at each call is asked by the policy itself)",
+                    param=param,
+                )
+
+    def _asks_ws(self, problem: Problem) -> bool:
+        """Whether ``problem``'s head asks for the warp-specialised GEMM (its hidden size within the limit)."""
+        return self.warp_specialised and (self.ws_max_hidden is None or problem.hidden <= self.ws_max_hidden)
+
+    def _chunking(self, problem: Problem) -> ChunkStrategy:
+        """The strategy that chunks ``problem``: ``ws_inner`` for a head asking for the Gluon GEMM, if given."""
+        ws_inner = nested_strategy(self, "ws_inner") if self._asks_ws(problem) else None
+        return ws_inner if ws_inner is not None else nested_strategy(self, "inner")  # type: ignore[return-value]
 
     def pick_chunk_size(self, problem: Problem, device: DeviceInfo) -> int:
-        return nested_strategy(self, "inner").pick_chunk_size(problem, device)  # type: ignore[union-attr]
+        return self._chunking(problem).pick_chunk_size(problem, device)
 
     def geometry(self, problem: Problem, device: DeviceInfo, *, rule: str | None = None) -> Geometry:
         self.validate_params()
-        inner = checked_geometry(nested_strategy(self, "inner"), problem, device, rule=rule)  # type: ignore[arg-type]
-        ws = self.warp_specialised and (self.ws_max_hidden is None or problem.hidden <= self.ws_max_hidden)
+        inner = checked_geometry(self._chunking(problem), problem, device, rule=rule)
+        ws = self._asks_ws(problem)
         wanted = "scaled_exp_ws" if ws else "scaled_exp_rows" if self.rows else "scaled_exp"
         form = runnable_slab_form(wanted, problem, inner.vocab_chunk, device)
         return inner.with_slab_form(form).with_origin(strategy=repr(self))
@@ -101,8 +121,11 @@ class ScaledExp(ChunkStrategy):
     def to_config(self) -> dict[str, Any]:
         config = super().to_config()
         nested_config(self, "inner", config)
-        if config.get("ws_max_hidden") is None:  # no limit: the YAML as before the key existed
-            config.pop("ws_max_hidden", None)
+        for param in ("ws_max_hidden", "ws_inner"):  # unset: the YAML as before the key existed
+            if config.get(param) is None:
+                config.pop(param, None)
+        if self.ws_inner is not None:
+            nested_config(self, "ws_inner", config)
         return config
 
 

@@ -47,9 +47,13 @@ def test_the_40gb_a100_gets_the_floor():
     assert geometry.slab_bytes == 128 * MIB
 
 
-def test_the_h200_gives_qwen_heads_8192_rows_and_the_large_heads_the_rule_slab():
+def test_the_h200_gives_small_heads_8192_rows_and_the_large_heads_the_rule_slab():
     h200 = DeviceInfo.synthetic("H200")
     policy = FLCEPolicy.packaged()
     assert policy.resolve(Problem(16384, 896, 151936), h200).chunk_size == 8192  # 2.32 GiB
-    assert policy.resolve(Problem(16384, 1152, 262144), h200).chunk_size == 4096  # 2 GiB
+    # the Gluon GEMM's heads (H <= 3072) take 8192 rows whatever V: a 4 GiB slab at V=262144
+    assert policy.resolve(Problem(16384, 1152, 262144), h200).chunk_size == 8192
+    assert policy.resolve(Problem(16384, 3072, 262144), h200).chunk_size == 8192
+    assert policy.resolve(Problem(4096, 1152, 262144), h200).chunk_size == 4096  # BT caps it
+    assert policy.resolve(Problem(16384, 3080, 262144), h200).chunk_size == 4096  # over ws_max_hidden: 2 GiB
     assert policy.resolve(Problem(32768, 4096, 128256), h200).chunk_size == 8192  # 1.96 GiB

@@ -616,6 +616,44 @@ def test_ws_max_hidden_keeps_larger_heads_on_the_triton_row_scaled_gemm():
         ScaledExp(config["inner"], rows=True, ws_max_hidden=3072).validate_params()
 
 
+def test_ws_inner_chunks_the_heads_that_ask_for_the_gluon_gemm():
+    """``ws_inner``: the chunks of the heads up to ``ws_max_hidden`` (asking for the Gluon GEMM), on any GPU;
+    ``inner``'s above it; it round-trips (omitted when unset) and is validated, errors named under its key."""
+    config = {
+        "strategy": "scaled_exp",
+        "inner": {"strategy": "slab_budget", "max_slab": "2GiB"},
+        "rows": True,
+        "warp_specialised": True,
+        "ws_max_hidden": 3072,
+        "ws_inner": {"strategy": "fixed_chunk_size", "chunk_size": 8192},
+    }
+    strategy = strategy_from_config(config)
+    assert strategy.to_config() == config
+    h200, b200 = DeviceInfo.synthetic("H200"), DeviceInfo.synthetic("B200")
+    chunks = {h: strategy.geometry(Problem(16384, h, 262144, "bfloat16"), h200).chunk_size for h in (1152, 3072, 3080)}
+    assert chunks == {1152: 8192, 3072: 8192, 3080: 4096}  # 4 GiB / (262144 x 2 bytes) = 8192 rows: 4096 above
+    assert strategy.pick_chunk_size(Problem(16384, 1152, 262144, "bfloat16"), h200) == 8192
+    # a GPU that runs the row-scaled form instead: the same chunks (the head asked for the Gluon GEMM)
+    geometry = strategy.geometry(Problem(16384, 1152, 262144, "bfloat16"), b200)
+    assert (geometry.chunk_size, geometry.slab_form) == (8192, "scaled_exp_rows")
+    unset = dict(config, ws_inner=None)
+    assert "ws_inner" not in strategy_from_config(unset).to_config()
+    assert strategy_from_config(unset).geometry(Problem(16384, 1152, 262144, "bfloat16"), h200).chunk_size == 4096
+    with pytest.raises(StrategyError, match="ws_inner chunks the heads on the warp-specialised GEMM"):
+        ScaledExp(config["inner"], rows=True, ws_inner=config["ws_inner"]).validate_params()
+    with pytest.raises(StrategyError, match=r"ws_inner\.chunk_size"):
+        ScaledExp(
+            config["inner"],
+            rows=True,
+            warp_specialised=True,
+            ws_inner={"strategy": "fixed_chunk_size", "chunk_size": 0},
+        ).validate_params()
+    with pytest.raises(StrategyError, match="ws_inner must decide from the problem and the device alone"):
+        ScaledExp(
+            config["inner"], rows=True, warp_specialised=True, ws_inner={"strategy": "free_memory"}
+        ).validate_params()
+
+
 def test_the_warp_specialised_form_writes_128_column_slots_slot_major(monkeypatch):
     """Its row-scaled chunks' workspace has a slot per 128 columns and the GEMM writes each slot's row sums
     slot-major (slot s of row r at s * rows + r), as the Gluon GEMM does; fp64's per-tile sums of exp(z - z_y)."""
