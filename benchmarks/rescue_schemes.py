@@ -92,17 +92,19 @@ def tile_stats(
     chunk_rows: int = 4096,
     ignore_index: int = -100,
     gram_bytes: int = 2**30,
+    tile_rows: int = FILTER_ROWS,
+    tile_cols: int = FILTER_COLS,
 ) -> TileStats:
-    """The tiles' statistics of ``x [T, H]``, ``weight [V, H]``, ``target [T]`` (T a multiple of ``FILTER_ROWS``, V
-    of ``FILTER_COLS``); ``gram_bytes`` bounds the G Grams held at once."""
+    """The tiles' statistics of ``x [T, H]``, ``weight [V, H]``, ``target [T]`` (T a multiple of ``tile_rows``, V
+    of ``tile_cols``: by default the filter's tile); ``gram_bytes`` bounds the G Grams held at once."""
     tokens, hidden = x.shape
     vocab = weight.shape[0]
-    if tokens % FILTER_ROWS or vocab % FILTER_COLS or chunk_rows % FILTER_ROWS:
+    if tokens % tile_rows or vocab % tile_cols or chunk_rows % tile_rows:
         raise ValueError(
-            f"tokens ({tokens}), chunk_rows ({chunk_rows}) must be multiples of {FILTER_ROWS} and the vocabulary "
-            f"({vocab}) of {FILTER_COLS}: whole tiles only"
+            f"tokens ({tokens}), chunk_rows ({chunk_rows}) must be multiples of {tile_rows} and the vocabulary "
+            f"({vocab}) of {tile_cols}: whole tiles only"
         )
-    blocks = vocab // FILTER_COLS
+    blocks = vocab // tile_cols
     w = weight.float()
     ref = torch.zeros_like(w)
     dropped = {e: torch.zeros_like(w) for e in eps}
@@ -111,25 +113,25 @@ def tile_stats(
         xc = x[start : start + chunk_rows].float()
         tc = target[start : start + chunk_rows]
         grad = _token_grads(xc, w, tc, ignore_index)
-        tiles = xc.shape[0] // FILTER_ROWS
+        tiles = xc.shape[0] // tile_rows
         ref += grad.t() @ xc
-        g = grad.view(tiles, FILTER_ROWS, blocks, FILTER_COLS)
+        g = grad.view(tiles, tile_rows, blocks, tile_cols)
         largest.append(g.abs().amax(dim=(1, 3)))
         holds = torch.zeros(tiles, blocks, dtype=torch.bool, device=x.device)
         rows = (tc != ignore_index).nonzero().squeeze(1)
-        holds[rows // FILTER_ROWS, tc[rows] // FILTER_COLS] = True
+        holds[rows // tile_rows, tc[rows] // tile_cols] = True
         has_target.append(holds)
-        x_tiles = xc.view(tiles, FILTER_ROWS, hidden)
+        x_tiles = xc.view(tiles, tile_rows, hidden)
         x_gram = x_tiles @ x_tiles.transpose(1, 2)
         chunk_norm2 = torch.empty(tiles, blocks, device=x.device)
-        step = max(1, gram_bytes // (tiles * FILTER_ROWS * FILTER_ROWS * 4))
+        step = max(1, gram_bytes // (tiles * tile_rows * tile_rows * 4))
         for b in range(0, blocks, step):
             part = g[:, :, b : b + step].permute(0, 2, 1, 3)  # [tiles, blocks, rows, cols]
             chunk_norm2[:, b : b + step] = ((part @ part.transpose(2, 3)) * x_gram[:, None]).sum(dim=(2, 3))
         norm2.append(chunk_norm2)
         for e in eps:
             drop = (largest[-1] < e) & ~holds
-            mask = drop.repeat_interleave(FILTER_ROWS, 0).repeat_interleave(FILTER_COLS, 1)
+            mask = drop.repeat_interleave(tile_rows, 0).repeat_interleave(tile_cols, 1)
             dropped[e] += (grad * mask).t() @ xc
     return TileStats(
         torch.cat(largest),
@@ -207,6 +209,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="FILE",
         help=f"or take it from the accuracy benchmark's JSON on the same inputs (its {DENSE_METHOD} row)",
     )
+    parser.add_argument(
+        "--tiles",
+        nargs="+",
+        type=_tile_shape,
+        default=[(FILTER_ROWS, FILTER_COLS)],
+        metavar="ROWSxCOLS",
+        help=f"tile shapes to price (tokens x classes; default the filter's, {FILTER_ROWS}x{FILTER_COLS})",
+    )
     parser.add_argument("--out", type=Path, default=None, metavar="FILE", help="write the rows as JSON here")
     args = parser.parse_args(argv)
     dense_error = args.dense_error
@@ -220,14 +230,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     if inputs is None:
         parser.error("--inputs must name trained inputs (random logits have nothing to drop)")
     torch.backends.cuda.matmul.allow_tf32 = False
-    stats = tile_stats(inputs.x, inputs.weight, inputs.target)
-    rows = scheme_report(stats, dense_error=dense_error)
-    print(f"{label}: {stats.largest.numel()} tiles, {stats.has_target.float().mean().item():.1%} holding a target")
-    print(format_report(rows))
+    rows = []
+    for tile_rows, tile_cols in args.tiles:
+        stats = tile_stats(inputs.x, inputs.weight, inputs.target, tile_rows=tile_rows, tile_cols=tile_cols)
+        tile_report = [
+            {"tile": f"{tile_rows}x{tile_cols}"} | row for row in scheme_report(stats, dense_error=dense_error)
+        ]
+        print(
+            f"{label}, {tile_rows}x{tile_cols} tiles: {stats.largest.numel()} tiles, "
+            f"{stats.has_target.float().mean().item():.1%} holding a target"
+        )
+        print(format_report(tile_report))
+        rows += tile_report
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"inputs": label, "rows": rows}, indent=2) + "\n")
     return 0
+
+
+def _tile_shape(text: str) -> tuple[int, int]:
+    """``ROWSxCOLS`` as two positive ints (argparse's type: a clear error otherwise)."""
+    try:
+        rows, cols = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a tile shape is ROWSxCOLS, e.g. 64x128, not {text!r}") from None
+    if rows <= 0 or cols <= 0:
+        raise argparse.ArgumentTypeError(f"tile sides must be positive, got {text!r}")
+    return rows, cols
 
 
 if __name__ == "__main__":

@@ -34,30 +34,35 @@ def grads64(x, w, y):
     return g
 
 
-def tile_view(t: torch.Tensor) -> torch.Tensor:
-    return t.view(TOKENS // FILTER_ROWS, FILTER_ROWS, VOCAB // FILTER_COLS, FILTER_COLS)
+def tile_view(t: torch.Tensor, rows: int = FILTER_ROWS, cols: int = FILTER_COLS) -> torch.Tensor:
+    return t.view(TOKENS // rows, rows, VOCAB // cols, cols)
 
 
-def expand(mask: torch.Tensor) -> torch.Tensor:
-    return mask.repeat_interleave(FILTER_ROWS, 0).repeat_interleave(FILTER_COLS, 1).double()
+def expand(mask: torch.Tensor, rows: int = FILTER_ROWS, cols: int = FILTER_COLS) -> torch.Tensor:
+    return mask.repeat_interleave(rows, 0).repeat_interleave(cols, 1).double()
 
 
-def kept_tiles(g: torch.Tensor, y: torch.Tensor, eps: float) -> torch.Tensor:
-    largest = tile_view(g.abs()).amax(dim=(1, 3))
+def kept_tiles(g: torch.Tensor, y: torch.Tensor, eps: float, rows: int = FILTER_ROWS, cols: int = FILTER_COLS):
+    largest = tile_view(g.abs(), rows, cols).amax(dim=(1, 3))
     holds = torch.zeros_like(largest, dtype=torch.bool)
     valid = y >= 0
-    holds[valid.nonzero().squeeze(1) // FILTER_ROWS, y[valid] // FILTER_COLS] = True
+    holds[valid.nonzero().squeeze(1) // rows, y[valid] // cols] = True
     return (largest >= eps) | holds, largest
 
 
+@pytest.mark.parametrize("tile", [(FILTER_ROWS, FILTER_COLS), (32, 64)], ids=lambda t: f"{t[0]}x{t[1]}")
 @pytest.mark.parametrize("eps", [2.0**-6, 2.0**-10])
-def test_skip_error_and_share_against_fp64(eps):
+def test_skip_error_and_share_against_fp64(eps, tile):
+    """The default tile is the filter's; another tile shape (the pricer's --tiles) is priced on its own tiles."""
     x, w, y = peaked()
-    row = scheme_row(tile_stats(x, w, y, [eps], chunk_rows=128), Scheme(eps, "skip"))
+    rows, cols = tile
+    stats = tile_stats(x, w, y, [eps], chunk_rows=128, tile_rows=rows, tile_cols=cols)
+    row = scheme_row(stats, Scheme(eps, "skip"))
     g = grads64(x, w, y)
-    kept, _ = kept_tiles(g, y, eps)
+    kept, _ = kept_tiles(g, y, eps, rows, cols)
+    assert stats.largest.shape == kept.shape
     ref = g.T @ x.double()
-    dropped = (g * expand(~kept)).T @ x.double()
+    dropped = (g * expand(~kept, rows, cols)).T @ x.double()
     assert 0.05 < 1 - kept.double().mean() < 0.95  # something dropped, something kept
     assert row["multiplied"] == pytest.approx(kept.double().mean().item(), abs=1e-9)
     assert row["filter_error"] == pytest.approx((dropped.norm() / ref.norm()).item(), rel=1e-4)
@@ -121,6 +126,11 @@ def test_command_line_on_a_cache_file_with_the_accuracy_json(tmp_path, capsys):
     assert [(r["eps"], r["scheme"]) for r in rows] == [(s.eps, s.label) for s in DEFAULT_SCHEMES]
     assert all(r["total_error"] == pytest.approx(math.hypot(0.002, r["filter_error"])) for r in rows)
     assert "level 8" in capsys.readouterr().out
+    assert main(args + ["--tiles", "64x128", "32x64"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["tile"] for r in rows] == ["64x128"] * len(DEFAULT_SCHEMES) + ["32x64"] * len(DEFAULT_SCHEMES)
+    with pytest.raises(SystemExit):
+        main(args + ["--tiles", "64by128"])
     (tmp_path / "accuracy.json").write_text(json.dumps(accuracy[:1]))
     with pytest.raises(SystemExit):
         main(args)
