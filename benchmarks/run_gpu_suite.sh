@@ -28,7 +28,9 @@ cd /tmp || exit 1
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))"
 status=0
 quack_path() {  # QuACK on PYTHONPATH for the stages that bench it, installed once per machine
-  python3 -c "import quack" 2>/dev/null && return 0
+  # the module the bench imports, not just `quack`: from /tmp an earlier install's /tmp/quack folder imports as an
+  # empty namespace package
+  python3 -c "import quack.linear_cross_entropy" 2>/dev/null && return 0
   local wheels=${QUACK_WHEELS:-$repo/.whl/quack}
   [ -d "$wheels" ] || { echo "QuACK: no wheels in $wheels, its rows will say it is not installed"; return 0; }
   local entries
