@@ -27,6 +27,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 BT, H, V = 100, 61, 509  # 2 row chunks of 64 (the last 36 rows), 4 flag columns (the last 125 wide)
+#: tiles per row chunk of the default geometry (64 and 36 rows, 4 column blocks): 4 and 4 at 64-row tiles
+CHUNK_TILES = [-(-rows // FILTER_ROWS) * -(-V // FILTER_COLS) for rows in (64, BT - 64)]
 EPS = 2.0**-8
 #: nothing skippable on the flat inputs
 FLAT_EPS = 2.0**-12
@@ -200,7 +202,7 @@ def test_peaked_fp32_skips_tiles_and_matches_the_masked_reference():
     ref = reference(t, torch.float32, eps=EPS, chunk=64)
     assert 0.2 < ref["kept_share"] < 0.9  # something to skip, something kept
     # the kernel's own count of kept tiles (2 row chunks x 4 column blocks of 128)
-    assert sum(int(c.kept) for c in tiles) == ref["kept_tiles"] and sum(c.total for c in tiles) == 8
+    assert sum(int(c.kept) for c in tiles) == ref["kept_tiles"] and sum(c.total for c in tiles) == sum(CHUNK_TILES)
     assert_same(filtered, dense)
     assert rel_err(filtered[2]["w"], ref["filtered_w"]) < FP32_TOL
     assert rel_err(filtered[2]["b"], ref["filtered_b"]) < FP32_TOL
@@ -232,14 +234,16 @@ def test_flat_logits_nothing_skipped_same_results():
     filtered = run(t, policy=geometry(torch.float32), grad_weight_filter=FLAT_EPS)
     ref = reference(t, torch.float32, eps=FLAT_EPS, chunk=64)
     # every tile of the 2 row chunks x 4 column blocks kept (counted: CUDA's mean of 50900 ones is not exactly 1)
-    assert ref["kept_tiles"] == 8
+    assert ref["kept_tiles"] == sum(CHUNK_TILES)
     assert_same(filtered, dense)
     # nothing to skip: the dense fallback runs the dense call's GEMM, so grad_weight and grad_bias are its own
     assert torch.equal(filtered[2]["w"], dense[2]["w"])
     assert rel_err(filtered[2]["w"], ref["dense_w"]) < FP32_TOL
 
 
-@pytest.mark.parametrize(("ignored_chunk", "flagged", "kept"), [(1, [True, False], [4, 4]), (0, [True, True], [0, 4])])
+@pytest.mark.parametrize(
+    ("ignored_chunk", "flagged", "kept"), [(1, [True, False], CHUNK_TILES), (0, [True, True], [0, CHUNK_TILES[1]])]
+)
 def test_after_a_chunk_gone_dense_the_later_chunks_are_not_flagged(monkeypatch, ignored_chunk, flagged, kept):
     """A chunk whose kept tiles make the dense GEMM the faster (flat logits) leaves the call's later chunks
     unflagged (no flag cost) and dense; a chunk whose tiles were skipped (every row ignored) leaves the next one
@@ -259,7 +263,7 @@ def test_after_a_chunk_gone_dense_the_later_chunks_are_not_flagged(monkeypatch, 
     with observe_tiles() as tiles:
         filtered = run(t, policy=geometry(torch.float32), grad_weight_filter=FLAT_EPS)
     assert seen == flagged
-    assert [int(c.kept) for c in tiles] == kept and [c.total for c in tiles] == [4, 4]
+    assert [int(c.kept) for c in tiles] == kept and [c.total for c in tiles] == CHUNK_TILES
     assert_same(filtered, dense)
     assert torch.equal(filtered[2]["w"], dense[2]["w"])
 

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(
     reason="the kernels were compiled (TRITON_INTERPRET unset) and there is no CUDA GPU",
 )
 
-ROWS = 150  # row tiles of 64, 64 and 22 rows
+ROWS = 150  # row tiles of 64, 64 and 22 rows (FILTER_ROWS 64)
 #: fp32 accumulation of bf16 products against fp64
 TOL = 1e-5
 
@@ -147,17 +147,18 @@ def test_every_tile_kept(hidden, cols, tma, fallback):
 
 
 @pytest.mark.parametrize(
-    ("flagged", "rescue", "level", "dense"),
-    # 12 tiles (3 row tiles x 4 column blocks), the pointer launch (1.10x cuBLAS with every tile kept): dense from
-    # 12 / 1.10 = 10.9 multiplied tiles, counting a rescue's expected 2^-L of each unflagged one: at level 1 (the
-    # last case) the 2 unflagged count 1/2 each, at the largest level 1/16
-    [(11, None, None, True), (10, None, None, False), (10, 2, None, True), (10, 16, None, False), (10, 16, 1, True)],
+    ("unflagged", "rescue", "level", "dense"),
+    # T tiles (row tiles x 4 column blocks: 12 at 64-row tiles), the pointer launch (1.10x cuBLAS with every tile
+    # kept): dense from T / 1.10 multiplied tiles (10.9 of 12; 18.2 of 20 at 32-row tiles), counting a rescue's
+    # expected 2^-L of each unflagged one: at level 1 (the last case) the 2 unflagged count 1/2 each, at the
+    # largest level 1/16
+    [(1, None, None, True), (2, None, None, False), (2, 2, None, True), (2, 16, None, False), (2, 16, 1, True)],
 )
-def test_the_dense_fallback_counts_flagged_tiles_and_the_rescue_s_share(flagged, rescue, level, dense):
+def test_the_dense_fallback_counts_flagged_tiles_and_the_rescue_s_share(unflagged, rescue, level, dense):
     hidden, cols = 60, 512
     scratch = filter_scratch(ROWS, cols, torch.device(DEVICE))
     grad, x, mask = chunk_inputs(0, hidden, cols)
-    mask = torch.arange(mask.numel()).view(mask.shape) < flagged
+    mask = torch.arange(mask.numel()).view(mask.shape) < mask.numel() - unflagged
     set_flags(scratch, mask, cols, None if level is None else torch.full(mask.shape, level))
     grad_weight = torch.full((cols, hidden), float("nan"), device=DEVICE)
     assert filtered_weight_grad(grad_weight, grad, x, scratch, first=True, rescue=rescue) == dense
@@ -166,14 +167,16 @@ def test_the_dense_fallback_counts_flagged_tiles_and_the_rescue_s_share(flagged,
 
 
 @pytest.mark.parametrize(
-    ("flagged", "rescue", "dense"), [(11, None, True), (4, None, False), (10, 2, True), (4, 2, False), (4, 4, False)]
+    # flagged: a count of tiles, or minus the unflagged ones (of 12 tiles at 64-row tiles; dense from 10.9, above)
+    ("flagged", "rescue", "dense"),
+    [(-1, None, True), (4, None, False), (-2, 2, True), (4, 2, False), (4, 4, False)],
 )
 def test_tiles_flagged_ahead_decide_and_multiply_as_flagged_in_the_call(flagged, rescue, dense):
     """The driver queues :func:`flag_tiles` before the grad_input GEMM and hands its count over: the same dense
     decision and the same grad_weight bit for bit as flags read inside the call, the rescue's included."""
     hidden, cols = 60, 512
     grad, x, mask = chunk_inputs(0, hidden, cols)
-    mask = torch.arange(mask.numel()).view(mask.shape) < flagged
+    mask = torch.arange(mask.numel()).view(mask.shape) < (flagged if flagged > 0 else mask.numel() + flagged)
     levels = random_levels(mask, 0)
     results = []
     for ahead in (False, True):
