@@ -2,9 +2,10 @@
 
 For ``x [T, H]``, ``weight [V, H]`` and targets, per token G = softmax(x @ W.T) - onehot(target) (fp32, unscaled;
 ignored tokens 0), tiled as the filter tiles it (:mod:`flce_policy.plan.weight_filter`: ``FILTER_ROWS`` tokens x
-``FILTER_COLS`` classes). Tile t has its largest |G|, ``m_t`` (a tile holding a target is always kept), and its
-contribution to grad_weight = Gᵀx, ``c_t = G_tᵀ x_t``; ``||c_t||²`` comes from the two Grams ``G_t G_tᵀ`` and
-``x_t x_tᵀ`` (no ``[FILTER_COLS, H]`` block per tile). A filter at ``eps`` keeps the tiles with ``m_t >= eps``;
+``FILTER_COLS`` classes; ``--tiles`` prices other shapes, what a finer tile would buy). Tile t has its largest
+|G|, ``m_t`` (a tile holding a target is always kept), and its contribution to grad_weight = Gᵀx,
+``c_t = G_tᵀ x_t``; ``||c_t||²`` comes from the two Grams ``G_t G_tᵀ`` and ``x_t x_tᵀ`` (no ``[FILTER_COLS, H]``
+block per tile). A filter at ``eps`` keeps the tiles with ``m_t >= eps``;
 the others, per scheme:
 
 - ``skip``: dropped. The filter's error is the norm of the dropped tiles' sum (a bias: one masked GEMM per eps).
