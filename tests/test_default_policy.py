@@ -3,7 +3,7 @@
 Derived entries: max_slab = max(128 MiB, largest power of two <= 3% of (total - 64 GiB)), with
 the total memory of the family's common part (DeviceInfo.synthetic). H200's entry is measured
 (results/) and must agree with the rule as well at V=262144; its budget (2.5 GiB) gives Qwen's 151936 classes
-8192 rows where 2 GiB gives 4096.
+8192 rows where 2 GiB gives 4096; the heads on its Gluon GEMM (H <= 3072) get a 5 GiB slab.
 """
 
 from __future__ import annotations
@@ -47,11 +47,14 @@ def test_the_40gb_a100_gets_the_floor():
     assert geometry.slab_bytes == 128 * MIB
 
 
-def test_the_h200_gives_small_heads_8192_rows_and_the_large_heads_the_rule_slab():
+def test_the_h200_gives_small_heads_a_5gib_slab_and_the_large_heads_the_rule_slab():
     h200 = DeviceInfo.synthetic("H200")
     policy = FLCEPolicy.packaged()
-    assert policy.resolve(Problem(16384, 896, 151936), h200).chunk_size == 8192  # 2.32 GiB
-    # the Gluon GEMM's heads (H <= 3072) take 8192 rows whatever V: a 4 GiB slab at V=262144
+    # the Gluon GEMM's heads (H <= 3072) take a 5 GiB slab: one chunk of 16384 tokens at V <= 151936 (4.64 GiB)
+    assert policy.resolve(Problem(16384, 896, 151936), h200).chunk_size == 16384
+    assert policy.resolve(Problem(16384, 2048, 151936), h200).chunk_size == 16384
+    assert policy.resolve(Problem(65536, 1024, 131072), h200).chunk_size == 16384  # 4 GiB: 20480 rows would be 5
+    # 8192 rows at V=262144 (4 GiB; 10240 rows would be 5 GiB)
     assert policy.resolve(Problem(16384, 1152, 262144), h200).chunk_size == 8192
     assert policy.resolve(Problem(16384, 3072, 262144), h200).chunk_size == 8192
     assert policy.resolve(Problem(4096, 1152, 262144), h200).chunk_size == 4096  # BT caps it

@@ -299,17 +299,21 @@ def test_memory_model_counts_the_partials():
 
 
 def test_bench_policy_wraps_every_rule():
-    """The bench row's policy: the packaged policy's chunks on every GPU, on the scaled-exp slab where it runs."""
+    """The bench row's policy: the packaged policy's chunks on every GPU, on the scaled-exp slab where it runs; the
+    heads the H200 rule puts on its Gluon GEMM (``ws_inner``) take the rule's ``inner`` chunks, as at every size."""
     from flce_policy.benchmarks.methods import scaled_exp_policy
 
     packaged = FLCEPolicy.packaged()
     wrapped = scaled_exp_policy(packaged)
-    problem = Problem(16384, 1024, 131072, "bfloat16")
+    problem = Problem(16384, 4096, 131072, "bfloat16")  # over the H200 rule's ws_max_hidden
     for family, form in (("H200", "scaled_exp"), ("H100", "scaled_exp"), ("A100", "logits")):
         device = DeviceInfo.synthetic(family)
         want = packaged.resolve(problem, device)
         got = wrapped.resolve(problem, device)
         assert (got.chunk_size, got.vocab_chunk, got.slab_form) == (want.chunk_size, want.vocab_chunk, form), family
+    small, h200 = Problem(16384, 1024, 131072, "bfloat16"), DeviceInfo.synthetic("H200")
+    assert packaged.resolve(small, h200).chunk_size == 16384  # ws_inner's 5 GiB
+    assert wrapped.resolve(small, h200).chunk_size == 8192  # inner's 2.5 GiB
 
 
 def test_bias_gradient_alone():

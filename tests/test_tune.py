@@ -233,7 +233,7 @@ def test_every_other_gpu_keeps_what_the_packaged_policy_picks(tmp_path, problem)
     assert (
         "# the tuned rule replaces the packaged rule match H200 -> "
         "ScaledExp(inner={'strategy': 'slab_budget', 'max_slab': '2.5GiB'}, rows=True, warp_specialised=True, "
-        "ws_max_hidden=3072, ws_inner={'strategy': 'fixed_chunk_size', 'chunk_size': 8192})" in text
+        "ws_max_hidden=3072, ws_inner={'strategy': 'slab_budget', 'max_slab': '5GiB'})" in text
     )
 
 
