@@ -114,7 +114,7 @@ def fused_linear_cross_entropy(
             with a plain input it is refused as a shard (an FSDP2 parameter outside its forward,
             say), naming the fix.
         grad_weight_filter: eps (e.g. ``2**-12``): grad_weight and grad_bias take only the tiles of
-            dL/dlogits (64 rows of a chunk x 128 classes) in which some token's ``|p_c - [c == y]|`` is
+            dL/dlogits (32 rows of a chunk x 128 classes) in which some token's ``|p_c - [c == y]|`` is
             ``>= eps`` or that hold a target; ``p = softmax(z)``, ``z`` after the softcap, before every
             scale (reduction, ``grad_output``, class weight, token scaling, z-loss), so the threshold is
             per token. The loss, every extra and grad_input are bit for bit the unfiltered call's. With

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 BT, H, V = 100, 61, 509  # 2 row chunks of 64 (the last 36 rows), 4 flag columns (the last 125 wide)
-#: tiles per row chunk of the default geometry (64 and 36 rows, 4 column blocks): 4 and 4 at 64-row tiles
+#: tiles per row chunk of the default geometry (64 and 36 rows, 4 column blocks): 8 and 8 at 32-row tiles
 CHUNK_TILES = [-(-rows // FILTER_ROWS) * -(-V // FILTER_COLS) for rows in (64, BT - 64)]
 EPS = 2.0**-8
 #: nothing skippable on the flat inputs

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(
     reason="the kernels were compiled (TRITON_INTERPRET unset) and there is no CUDA GPU",
 )
 
-ROWS = 150  # row tiles of 64, 64 and 22 rows (FILTER_ROWS 64)
+ROWS = 150  # row tiles of 32 rows, the last 22 (FILTER_ROWS 32)
 #: fp32 accumulation of bf16 products against fp64
 TOL = 1e-5
 
@@ -148,8 +148,8 @@ def test_every_tile_kept(hidden, cols, tma, fallback):
 
 @pytest.mark.parametrize(
     ("unflagged", "rescue", "level", "dense"),
-    # T tiles (row tiles x 4 column blocks: 12 at 64-row tiles), the pointer launch (1.10x cuBLAS with every tile
-    # kept): dense from T / 1.10 multiplied tiles (10.9 of 12; 18.2 of 20 at 32-row tiles), counting a rescue's
+    # T tiles (row tiles x 4 column blocks: 20 at 32-row tiles), the pointer launch (1.10x cuBLAS with every tile
+    # kept): dense from T / 1.10 multiplied tiles (18.2 of 20), counting a rescue's
     # expected 2^-L of each unflagged one: at level 1 (the last case) the 2 unflagged count 1/2 each, at the
     # largest level 1/16
     [(1, None, None, True), (2, None, None, False), (2, 2, None, True), (2, 16, None, False), (2, 16, 1, True)],
@@ -167,7 +167,7 @@ def test_the_dense_fallback_counts_flagged_tiles_and_the_rescue_s_share(unflagge
 
 
 @pytest.mark.parametrize(
-    # flagged: a count of tiles, or minus the unflagged ones (of 12 tiles at 64-row tiles; dense from 10.9, above)
+    # flagged: a count of tiles, or minus the unflagged ones (of 20 tiles at 32-row tiles; dense from 18.2, above)
     ("flagged", "rescue", "dense"),
     [(-1, None, True), (4, None, False), (-2, 2, True), (4, 2, False), (4, 4, False)],
 )

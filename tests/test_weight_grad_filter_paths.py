@@ -106,7 +106,7 @@ def test_late_vocab_tiles_of_one_bf16_chunk():
         filtered = run(t, policy=policy, grad_weight_filter=EPS)
     ref = reference(t, torch.bfloat16, eps=EPS, chunk=BT, vocab_chunk=96)
     assert ref["kept_share"] < 0.9
-    # every tile counted once (2 row tiles of 64 rows x 6 vocab tiles), the late ones at their late launch
+    # every tile counted once (row tiles of FILTER_ROWS rows x 6 vocab tiles), the late ones at their late launch
     tiles_per_call = -(-BT // FILTER_ROWS) * 6
     assert sum(int(c.kept) for c in tiles) == ref["kept_tiles"] and sum(c.total for c in tiles) == tiles_per_call
     assert rel_err(filtered[2]["w"], ref["filtered_w"]) < BF16_TOL

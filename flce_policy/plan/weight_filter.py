@@ -40,7 +40,7 @@ __all__ = [
 #: Classes per skip decision: columns of dL/dlogits (rows of grad_weight) per flag.
 FILTER_COLS = 128
 #: Token rows per skip decision, counted from each row chunk's first row.
-FILTER_ROWS = 64
+FILTER_ROWS = 32
 #: A column block with more than this share of its row tiles kept runs the kernel's dense loop (every
 #: tile, the skipped ones' loads masked off) rather than its listed loop (kept tiles only, but about
 #: 1.8x slower per tile on the H200: the loop loads its row indices; results/notes/2026-12-01-h200-filter-probe-2.log).
