@@ -31,6 +31,7 @@ from flce_policy.benchmarks.trained_model import build_model, held_out_loss  # n
 from flce_policy.benchmarks.trained_tokenizer import VocabTooLarge, train_tokenizer  # noqa: E402
 from flce_policy.cli import main  # noqa: E402
 from flce_policy.kernels.ce_kernel import KERNELS_INTERPRETED  # noqa: E402
+from flce_policy.plan.weight_filter import FILTER_COLS, FILTER_ROWS  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not KERNELS_INTERPRETED, reason="the tiny build trains on the CPU, under the interpreter"
@@ -162,7 +163,7 @@ def test_reports_are_written(builds, tmp_path):
     assert summary["key"] == cache_key(TINY) and summary["config"] == TINY.model_dump()
     assert summary["final_loss"] == data["losses"][-1]
     assert {(r["order"], r["tile"]) for r in summary["distribution"]["tiles"]} == {
-        (order, tile) for order in ("natural", "frequency") for tile in (64, 128, "64x128")
+        (order, tile) for order in ("natural", "frequency") for tile in (64, 128, f"{FILTER_ROWS}x{FILTER_COLS}")
     }
     assert json.loads((tmp_path / "loss_curve.json").read_text()) == [[i + 1, v] for i, v in enumerate(data["losses"])]
     assert (tmp_path / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
