@@ -467,11 +467,14 @@ def _listed_tma_kernel(
         # 2^L times (exact)
         for level in range(MAX_LEVEL):
             level_end = tl.load(ends_ptr + pid_v * MAX_LEVEL + level)
-            for i in tl.range(first_kept, level_end, num_stages=STAGES):
-                next_tile, acc, bias_acc = _tma_step(
-                    grad_desc, x_desc, listed, i, kept, next_tile, acc, bias_acc, pid_v, pid_h, HAS_WEIGHT, HAS_BIAS,
-                    IEEE, BLOCK_V, BLOCK_H, BLOCK_K,
-                )  # fmt: skip
+            # a level without tiles skips its loop: an empty pipelined loop still costs its fill and drain (four
+            # of them 0.17 ms a call at 16384x1024x131072, H200; results/2026-12-03-h200-session22/rescue_probe)
+            if level_end > first_kept:
+                for i in tl.range(first_kept, level_end, num_stages=STAGES):
+                    next_tile, acc, bias_acc = _tma_step(
+                        grad_desc, x_desc, listed, i, kept, next_tile, acc, bias_acc, pid_v, pid_h, HAS_WEIGHT,
+                        HAS_BIAS, IEEE, BLOCK_V, BLOCK_H, BLOCK_K,
+                    )  # fmt: skip
             acc = acc * 2.0
             bias_acc = bias_acc * 2.0
             first_kept = level_end
