@@ -54,7 +54,8 @@ class Scheme:
 
 #: the accuracy benchmark's row whose grad_weight error is the dense call's
 DENSE_METHOD = "ours_default_bf16"
-DEFAULT_EPS: tuple[float, ...] = (2.0**-11, 2.0**-12, 2.0**-13, 2.0**-14, 2.0**-16)
+#: 2^-13.5: between the two settings that each met one of issue 26's goals on one chunk (session 22)
+DEFAULT_EPS: tuple[float, ...] = (2.0**-11, 2.0**-12, 2.0**-13, 2.0**-13.5, 2.0**-14, 2.0**-16)
 DEFAULT_SCHEMES: tuple[Scheme, ...] = tuple(
     Scheme(eps, kind, arg)
     for eps in DEFAULT_EPS
@@ -186,7 +187,7 @@ def format_report(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         total = f"{r['total_error']:>9.5f} {r['over_dense']:>7.2f}" if "total_error" in r else f"{'-':>9} {'-':>7}"
         lines.append(
-            f"2^{int(math.log2(r['eps'])):<5} {r['scheme']:>10} {r['multiplied']:>10.1%} {r['filter_error']:>10.5f} "
+            f"2^{math.log2(r['eps']):<5g} {r['scheme']:>10} {r['multiplied']:>10.1%} {r['filter_error']:>10.5f} "
             + total
         )
     return "\n".join(lines)

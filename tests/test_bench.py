@@ -463,6 +463,7 @@ ALL_NAMES = [
     *(f"ours_filter{n}_bf16" for n in (12, 13, 14, 16)),
     "ours_filter12_rescue16_bf16",
     "ours_filter13_rescue16_bf16",
+    "ours_filter13.5_rescue16_bf16",
     "ours_filter14_rescue16_bf16",
     "ours_filter14_rescue4_bf16",
     "ours_filter12_rescue256_bf16",
