@@ -47,9 +47,9 @@ while [ $# -gt 0 ]; do
         -p no:cacheprovider 2>&1 \
         | tee "$out/gpu_scaled_exp_options.log" || status=1
       # the filtered grad_weight kernel's launches (TMA wide and narrow, pointer-based) against fp64, with and without
-      # the rescue, and the rescue at the loss, compiled
+      # the rescue, the rescue at the loss and the policy's rest, compiled
       TRITON_INTERPRET=0 python3 -m pytest "$repo/tests/test_weight_grad_filter_kernel.py" \
-        "$repo/tests/test_weight_grad_filter_rescue.py" -q -p no:cacheprovider 2>&1 \
+        "$repo/tests/test_weight_grad_filter_rescue.py" "$repo/tests/test_weight_grad_filter_rest.py" -q -p no:cacheprovider 2>&1 \
         | tee "$out/gpu_filter_kernel.log" || status=1
       shift ;;
     bench)
@@ -102,6 +102,8 @@ while [ $# -gt 0 ]; do
         python3 -m flce_policy.benchmarks.accuracy "${pick[@]}" --methods "${methods[@]}" \
           --out "$d/accuracy-$inputs.json" 2>&1 | tee "$d/accuracy-$inputs.log" || status=1
       done
+      # random logits over runs of calls: a policy's filtered calls rest (dense, no flags) after flags keeping every tile
+      python3 -m flce_policy.benchmarks.filter_rest --out "$d/filter_rest.json" 2>&1 | tee "$d/filter_rest.log" || status=1
       # the filter's ways of treating its dropped tiles (skip, uniform rescue, rescue by level), priced exactly
       python3 -m flce_policy.benchmarks.rescue_schemes --inputs trained --accuracy "$d/accuracy-trained.json" \
         --out "$d/rescue_schemes.json" 2>&1 | tee "$d/rescue_schemes.log" || status=1

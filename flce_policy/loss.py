@@ -21,6 +21,7 @@ from flce_policy.plan.geometry import Geometry
 
 if TYPE_CHECKING:
     from flce_policy.plan.oom import OOMFallback
+    from flce_policy.plan.weight_filter import FilterRest
 
 __all__ = ["fused_linear_cross_entropy", "FusedLinearCrossEntropyLoss", "FLCEOutput", "autocast_dtype"]
 
@@ -121,7 +122,10 @@ def fused_linear_cross_entropy(
             ``label_smoothing`` the threshold ignores the smoothing too, and a skipped tile drops its
             uniform ``-eps_ls/V`` term. None (default): the policy rule's ``grad_weight_filter`` (none
             unless a rule sets one: the dense path); a number here wins over the policy's, and ``0``
-            (nothing skipped) runs the dense path. See docs/grad_weight_filter.md.
+            (nothing skipped) runs the dense path. Given an :class:`FLCEPolicy`, a call whose flags kept
+            every tile (nothing to skip) makes the policy run the problem's next filtered calls at that eps or
+            below (``FILTER_REST_CALLS`` of :mod:`flce_policy.plan.weight_filter`) dense, without the flags'
+            cost; then one flags again. See docs/grad_weight_filter.md.
         grad_weight_filter_rescue: N, a power of two in [2, 65536]: a tile the filter skips whose largest
             per-token ``|p - onehot|`` lies L octaves below eps is multiplied anyway with probability 2^-L (L at
             least 1, at most log2(N); picked by a hash of the tile's rows of ``input`` and its classes: other
@@ -253,8 +257,10 @@ def _eager_loss(
     )
     if not x.shape[0]:
         return _apply(x, weight, bias, target, class_weight, None, options, None, compute_dtype, targets)
-    geometry, fallback = geometry_for(policy, x, weight, compute_dtype or x.dtype)
-    return _apply(x, weight, bias, target, class_weight, geometry, options, fallback, compute_dtype, targets)
+    geometry, fallback, filter_rest = geometry_for(policy, x, weight, compute_dtype or x.dtype)
+    return _apply(
+        x, weight, bias, target, class_weight, geometry, options, fallback, compute_dtype, targets, filter_rest
+    )  # fmt: skip
 
 
 def _apply(
@@ -268,6 +274,7 @@ def _apply(
     fallback: OOMFallback | None,
     compute_dtype: torch.dtype | None,
     targets: TargetCheck,
+    filter_rest: FilterRest | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The autograd Function on a resolved geometry, with the accumulator it planned; ``target`` is
     ``targets``' safe one."""
@@ -278,7 +285,7 @@ def _apply(
 
     return FLCEFunction.apply(
         x, weight, bias, target, class_weight, geometry, options, torch.is_grad_enabled(), fallback, compute_dtype,
-        targets,
+        targets, filter_rest,
     )  # fmt: skip
 
 

@@ -35,7 +35,14 @@ from .gemm import accumulate_mm
 from .scaled_exp import scaled_exp_logits
 from .target_grad import TargetTerms
 from .vocab_tiled import run_vocab_tiled
-from .weight_grad_filter import count_unfiltered, filter_scratch_for, filtered_weight_grad, flag_tiles
+from .weight_grad_filter import (
+    count_unfiltered,
+    filter_scratch_for,
+    filtered_weight_grad,
+    filters,
+    flag_tiles,
+    rest_after_every_tile_kept,
+)
 
 # The call and event types and the test hooks live below both drivers (driver_call); re-exported as the driver's API.
 __all__ = [
@@ -130,6 +137,7 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
     x_scaled = torch.empty_like(x[:chunk_size]) if row_scaled and grad_weight is not None else None
     weight_t = weight.t()
     scratch = filter_scratch_for(call, chunk_size, geometry.vocab_chunk)  # None: the dense GEMMs
+    filtered = filters(call)  # with a filter even where this call rests (the observers count it unfiltered)
     flagging = scratch is not None
     for index in range(geometry.num_chunks):
         # once a chunk's flags kept every tile (nothing to skip: random logits), the call's later chunks go dense
@@ -232,7 +240,7 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
             if grad_weight is not None:
                 # The first chunk overwrites (beta=0): no zero-fill of a parameter-sized buffer.
                 accumulate_mm(grad_weight, logits.t(), x_operand, first=index == 0)
-            if scratch is not None:
+            if filtered:
                 count_unfiltered(stop - start, logits.shape[1], logits.device)
         if grad_bias is not None and chunk_scratch is None:
             grad_bias += logits.sum(dim=0, dtype=torch.float32)
@@ -240,3 +248,5 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
             target_terms.into_weight_grads(grad_weight, grad_bias, x_chunk)
         if _observers:
             notify(ChunkEvent(index, start, stop - start, tuple(slab.shape), slab.numel() * slab.element_size()))
+    if scratch is not None and not flagging:  # a chunk's flags kept every tile: the policy rests a few calls
+        rest_after_every_tile_kept(call)

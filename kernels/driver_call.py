@@ -15,6 +15,8 @@ import torch
 from flce_policy.plan.geometry import Geometry
 
 if TYPE_CHECKING:
+    from flce_policy.plan.weight_filter import FilterRest
+
     from .vocab_shard import VocabShard
 
 __all__ = [
@@ -52,6 +54,9 @@ class CEParams:
     #: N: a tile the filter skips kept anyway with probability 2^-L (L its level, at most log2(N)), counted 2^L times
     #: (unbiased); None: none kept.
     grad_weight_filter_rescue: int | None = None
+    #: The policy's memory of this problem's flagged calls (None: the call flags): a call resting after one whose
+    #: flags kept every tile runs the dense GEMMs; one whose flags keep every tile starts a rest.
+    grad_weight_filter_rest: FilterRest | None = None
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,15 @@ from .ce_kernel import ce_finish, ce_partial, ce_workspace
 from .driver_call import ChunkEvent, DriverCall, DriverOutputs, _fault_hooks, _observers, before_chunk, notify
 from .gemm import accumulate_mm
 from .input_accumulator import InputAccumulator
-from .weight_grad_filter import FlaggedTiles, filter_scratch_for, filtered_weight_grad, flag_tiles
+from .weight_grad_filter import (
+    FlaggedTiles,
+    count_unfiltered,
+    filter_scratch_for,
+    filtered_weight_grad,
+    filters,
+    flag_tiles,
+    rest_after_every_tile_kept,
+)
 
 __all__ = ["run_vocab_tiled"]
 
@@ -47,6 +55,8 @@ def run_vocab_tiled(call: DriverCall, outputs: DriverOutputs) -> None:
         if _observers:
             slab_shape = (chunk_size, geometry.vocab_chunk)
             notify(ChunkEvent(index, row_start, row_stop - row_start, slab_shape, run.slab_bytes))
+    if run.filter is not None and run.every_tile_kept:  # nothing to skip: the policy rests a few calls
+        rest_after_every_tile_kept(call)
 
 
 class _TiledRun:
@@ -72,6 +82,8 @@ class _TiledRun:
         )
         self.first_late = len(self.tiles) - self.layout.late_tiles
         self.filter = filter_scratch_for(call, geometry.chunk_size, width)  # None: the dense GEMMs
+        self.filtered = filters(call)  # with a filter even where this call rests (the observers count it unfiltered)
+        self.every_tile_kept = self.filter is not None  # until a tile's flags skip something
         self.shared = dict(
             ignore_index=params.ignore_index,
             label_smoothing=params.label_smoothing,
@@ -191,5 +203,10 @@ class _TiledRun:
                 rescue=self.params.grad_weight_filter_rescue,
                 flagged=flagged,
             )
-        elif grad_weight is not None:
+            if flagged is not None and self.every_tile_kept:
+                self.every_tile_kept = flagged.every_tile_flagged()
+            return
+        if grad_weight is not None:
             accumulate_mm(grad_weight[start:stop], tile.t(), x_chunk, first=first)
+        if self.filtered:
+            count_unfiltered(*tile.shape, tile.device)

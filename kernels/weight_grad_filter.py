@@ -78,7 +78,9 @@ __all__ = [
     "filter_scratch",
     "filter_scratch_for",
     "filtered_weight_grad",
+    "filters",
     "flag_tiles",
+    "rest_after_every_tile_kept",
     "eps_logs",
     "finish_kernel_args",
     "observe_tiles",
@@ -230,11 +232,34 @@ def filter_scratch(rows: int, tile_cols: int, device: torch.device) -> FilterScr
     )
 
 
+def filters(call: DriverCall) -> bool:
+    """Whether a driver call's grad_weight (or grad_bias) is filtered: a filter eps and a weight or bias gradient."""
+    return call.params.grad_weight_filter is not None and (call.grads.weight or call.grads.bias)
+
+
 def filter_scratch_for(call: DriverCall, rows: int, tile_cols: int) -> FilterScratch | None:
-    """A driver call's filter buffers: None (the dense GEMMs) without a filter or without a weight or bias gradient."""
-    if call.params.grad_weight_filter is None or not (call.grads.weight or call.grads.bias):
+    """A driver call's filter buffers, or None for the dense GEMMs: without a filter (:func:`filters`), or while the
+    policy's rest after a call whose flags kept every tile lasts (this call is counted off it; never while a CUDA
+    graph is captured: a replay would never flag)."""
+    if not filters(call):
         return None
-    return filter_scratch(rows, tile_cols, call.x.device)
+    params, device = call.params, call.x.device
+    rest = params.grad_weight_filter_rest
+    if rest is not None and not capturing(device) and not rest.flags(params.grad_weight_filter):
+        return None
+    return filter_scratch(rows, tile_cols, device)
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on ``device``'s current stream (no host read: nothing counted)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def rest_after_every_tile_kept(call: DriverCall) -> None:
+    """Tell the policy's rest (if any) that this call's flags kept every tile."""
+    rest = call.params.grad_weight_filter_rest
+    if rest is not None:
+        rest.kept_every_tile(call.params.grad_weight_filter)
 
 
 @triton.jit
@@ -575,9 +600,8 @@ def flag_tiles(
     row_tiles, col_blocks = triton.cdiv(n_rows, FILTER_ROWS), triton.cdiv(n_cols, FILTER_COLS)
     max_level = rescue_max_level(rescue)
     _launch_tile_flags(scratch, None, n_rows, col_blocks, max_level)
-    capturing = flags.is_cuda and torch.cuda.is_current_stream_capturing()
     counted = None
-    if count and not capturing:
+    if count and not capturing(flags.device):
         states = kept[:col_blocks, :row_tiles]
         # state 1 + L (1 where flagged) is expected 2^-L of a multiplication: 2^(max level - L) units
         counted = (

@@ -19,6 +19,7 @@ from flce_policy import fused_linear_cross_entropy
 from flce_policy.kernels.weight_grad_filter import observe_tiles
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.problem import Problem
+from flce_policy.plan.weight_filter import FILTER_COLS, FILTER_ROWS
 
 pytestmark = [
     pytest.mark.gpu,
@@ -112,8 +113,9 @@ def test_the_rescue_keeps_each_tile_by_its_level_on_cuda(slab_form):
     onehot = F.one_hot(y.clamp_min(0), V).float() * valid[:, None]
     deviation = (logits.softmax(-1) - onehot).abs() * valid[:, None]
     keep = ((deviation >= eps) | (onehot > 0)) & valid[:, None]
-    top = deviation.view(BT // 64, 64, V // 128, 128).amax(dim=(1, 3))
-    kept = keep.view(BT // 64, 64, V // 128, 128).any(3).any(1)
+    tiles = (BT // FILTER_ROWS, FILTER_ROWS, V // FILTER_COLS, FILTER_COLS)  # the filter's tile, from its constants
+    top = deviation.view(tiles).amax(dim=(1, 3))
+    kept = keep.view(tiles).any(3).any(1)
     level = torch.log2(eps / top).ceil().clamp(1, max_level)[~kept]
     chance = 2.0 ** -level.double()
     expected, noise = float(chance.sum()), float((chance * (1 - chance)).sum().sqrt())

@@ -31,7 +31,7 @@ from flce_policy.kernels.resilient import run_with_oom_fallback
 from flce_policy.kernels.scale import scale_all_unless_one_
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.oom import DEFAULT_OOM_FALLBACK, OOMFallback
-from flce_policy.plan.weight_filter import check_rescue_has_filter
+from flce_policy.plan.weight_filter import FilterRest, check_rescue_has_filter
 
 __all__ = [
     "FLCEFunction", "ForwardResult", "SECOND_ORDER_MESSAGE", "autocast_off", "forward_pass", "grad_request",
@@ -39,7 +39,7 @@ __all__ = [
 ]  # fmt: skip
 
 
-def _ce_params(options: LossOptions) -> CEParams:
+def _ce_params(options: LossOptions, filter_rest: FilterRest | None = None) -> CEParams:
     check_rescue_has_filter(options.grad_weight_filter, options.grad_weight_filter_rescue, "the loss call's ")
     return CEParams(
         ignore_index=options.ignore_index,
@@ -54,6 +54,7 @@ def _ce_params(options: LossOptions) -> CEParams:
         # 0 skips nothing: the dense GEMMs, not a kernel that would take every tile
         grad_weight_filter=options.grad_weight_filter or None,
         grad_weight_filter_rescue=options.grad_weight_filter_rescue if options.grad_weight_filter else None,
+        grad_weight_filter_rest=filter_rest if options.grad_weight_filter else None,
     )
 
 
@@ -81,12 +82,13 @@ class FLCEFunction(torch.autograd.Function):
         fallback: OOMFallback | None = DEFAULT_OOM_FALLBACK,
         compute_dtype: torch.dtype | None = None,
         targets: TargetCheck | None = None,
+        filter_rest: FilterRest | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         # needs_input_grad ignores torch.no_grad(): the caller's grad mode is passed in.
         needs = ctx.needs_input_grad
         wants = (grad_enabled and needs[0], grad_enabled and needs[1], grad_enabled and needs[2])
         want = grad_request(wants, weight, bias, options, compute_dtype)
-        ctx.compute_dtype = compute_dtype
+        ctx.compute_dtype, ctx.filter_rest = compute_dtype, filter_rest
         with autocast_off(x.device.type):
             return _forward(ctx, x, weight, bias, target, class_weight, geometry, options, want, fallback, targets)
 
@@ -114,7 +116,7 @@ class FLCEFunction(torch.autograd.Function):
             ctx.gave_graph = True
             grads = refuse_second_order(grads)
         grad_input, grad_weight, grad_bias = grads
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None, None, None
 
 
 SECOND_ORDER_MESSAGE = (
@@ -216,7 +218,9 @@ def _forward(
     if options.reduction == "none":
         # the caller's tensors: backward casts again rather than holding a copy between the passes
         ctx.save_for_backward(x, weight, bias, target, class_weight)
-    result = forward_pass(x, weight, bias, targets, class_weight, geometry, options, want, fallback, ctx.compute_dtype)
+    result = forward_pass(
+        x, weight, bias, targets, class_weight, geometry, options, want, fallback, ctx.compute_dtype, ctx.filter_rest
+    )  # fmt: skip
     extras = (result.z_loss, result.accuracy, result.predicted, result.entropy)
     ctx.mark_non_differentiable(*(t for t in extras if t is not None))
     # The geometry that completed: reduction none's backward starts from it, not from the one asked for.
@@ -239,6 +243,7 @@ def forward_pass(
     want: GradRequest,
     fallback: OOMFallback | None,
     compute_dtype: torch.dtype | None,
+    filter_rest: FilterRest | None = None,
 ) -> ForwardResult:
     """The loss (and for mean/sum the gradients) of one call, on the caller's tensors.
 
@@ -246,11 +251,12 @@ def forward_pass(
     targets the kernels run on, the denominators and the gradient scales; it is finished once the
     chunks are queued: a bad target raises ValueError then, with no GPU idle time before it. Where no
     host sync is allowed (CUDA-graph capture) a bad target makes its gradient scales NaN and its
-    ``poison`` NaN, which the loss adds (``loss_totals`` reads it from the same meta).
+    ``poison`` NaN, which the loss adds (``loss_totals`` reads it from the same meta). ``filter_rest``: the
+    policy's memory of the problem's flagged calls, for a filtered call (None: it flags).
     """
     caller_dtypes = (x.dtype, None if bias is None else bias.dtype)
     x, weight, bias = _operands(x, weight, bias, compute_dtype)
-    params = _ce_params(options)
+    params = _ce_params(options, filter_rest)
     target, poison = targets.safe_target(), targets.poison
     in_forward = want if options.reduction != "none" else GradRequest()
     grad_scale = targets.grad_scale if in_forward.any else None
@@ -329,6 +335,7 @@ def _recompute_grads(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | 
         ctx.fallback,
         ctx.compute_dtype,
         grad_loss,
+        ctx.filter_rest,
     )
     return grads
 
@@ -345,6 +352,7 @@ def recompute_grads(
     fallback: OOMFallback | None,
     compute_dtype: torch.dtype | None,
     grad_loss: torch.Tensor,
+    filter_rest: FilterRest | None = None,
 ) -> tuple[tuple[torch.Tensor | None, ...], Geometry | None]:
     """Reduction none's backward: the chunks again, each row's dL/dlogits times its ``grad_loss``.
 
@@ -361,7 +369,7 @@ def recompute_grads(
         bias,
         target,
         geometry,
-        dataclasses.replace(_ce_params(options), entropy=False),  # the forward returned it already
+        dataclasses.replace(_ce_params(options, filter_rest), entropy=False),  # the forward returned it already
         want,
         fallback,
         class_weight=class_weight,

@@ -20,8 +20,8 @@ graph, decoded once per distinct text. The policy is a key: 0 for the default po
 ``chunk_size``/``vocab_chunk``/planned accumulator. The geometry is resolved **inside the op, at
 run time, from the actual shapes**: a marked-dynamic token count gets the geometry of each size it
 meets, and the device probe (NVML, ``.item()``) never runs under the tracer. An ``FLCEPolicy``
-keeps remembering the size an OOM fallback completed at, because the op resolves through that
-same policy object.
+keeps remembering the size an OOM fallback completed at, and the grad_weight filter's rest, because the op
+resolves through that same policy object.
 
 Gradients. For mean/sum the op returns the gradients it computed in forward as outputs (empty
 where not wanted); the Function saves them and its backward scales them in place by
@@ -59,6 +59,7 @@ from flce_policy.kernels.driver import GradRequest
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.oom import DEFAULT_OOM_FALLBACK
 from flce_policy.plan.problem import Problem
+from flce_policy.plan.weight_filter import FilterRest
 
 __all__ = ["compiled_loss"]
 
@@ -172,13 +173,13 @@ def _geometry_now(
     vocab_chunk: int,
     accum: str,
     slab_form: str,
-) -> tuple[Geometry | None, Any]:
-    """The geometry for these tensors, resolved at run time, and its OOM fallback."""
+) -> tuple[Geometry | None, Any, FilterRest | None]:
+    """The geometry for these tensors, resolved at run time, its OOM fallback and a policy's filter rest."""
     if x.shape[0] == 0:
-        return None, None
+        return None, None, None
     if rows:  # a Geometry was given: rebuilt for the actual problem (the wrapper checked it matches)
         problem = call_problem(x.shape[0], x.shape[1], weight.shape[0], logits_dtype, 1)
-        return _given_geometry(problem, rows, vocab_chunk, accum, slab_form), DEFAULT_OOM_FALLBACK
+        return _given_geometry(problem, rows, vocab_chunk, accum, slab_form), DEFAULT_OOM_FALLBACK, None
     return geometry_for(live_policy(key), x, weight, logits_dtype)
 
 
@@ -190,11 +191,12 @@ def _given_geometry(problem: Problem, rows: int, vocab_chunk: int, accum: str, s
 
 def _plan(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: _Config
-) -> tuple[Geometry | None, Any, LossOptions, GradRequest]:
-    """The geometry resolved now, its OOM fallback, the options following its plan, and the gradients wanted."""
-    geometry, fallback = _geometry_now(x, weight, config.compute_dtype or x.dtype, *config.policy)
+) -> tuple[Geometry | None, Any, LossOptions, GradRequest, FilterRest | None]:
+    """The geometry resolved now, its OOM fallback, the options following its plan, the gradients wanted and a
+    policy's filter rest."""
+    geometry, fallback, filter_rest = _geometry_now(x, weight, config.compute_dtype or x.dtype, *config.policy)
     options, want = config.plan(geometry, bias, weight)
-    return geometry, fallback, options, want
+    return geometry, fallback, options, want, filter_rest
 
 
 def _host_sync_allowed(device: torch.device) -> bool:
@@ -242,11 +244,12 @@ def _loss_impl(
     decoded = _decode(config)
     options = decoded.options
     targets = _checked_targets(target, weight.shape[0], options.ignore_index, class_weight, options.reduction == "mean")
-    geometry, fallback, options, want = _plan(x, weight, bias, decoded)
+    geometry, fallback, options, want, filter_rest = _plan(x, weight, bias, decoded)
     with autocast_off(x.device.type):
         result = forward_pass(
-            x, weight, bias, targets, class_weight, geometry, options, want, fallback, decoded.compute_dtype
-        )
+            x, weight, bias, targets, class_weight, geometry, options, want, fallback, decoded.compute_dtype,
+            filter_rest,
+        )  # fmt: skip
     device = x.device
     grads = tuple(
         g if g is not None else _empty(device, t.dtype) for g, t in zip(result.grads, (x, weight, x), strict=True)
@@ -295,11 +298,12 @@ def _recompute_impl(
     decoded = _decode(config)
     if not _host_sync_allowed(target.device):
         target, _ = poisoned_targets(target, weight.shape[0], decoded.options.ignore_index)  # the loss is NaN already
-    geometry, fallback, options, want = _plan(x, weight, bias, decoded)
+    geometry, fallback, options, want, filter_rest = _plan(x, weight, bias, decoded)
     with autocast_off(x.device.type):
         grads, _ = recompute_grads(
-            x, weight, bias, target, class_weight, geometry, options, want, fallback, decoded.compute_dtype, grad_loss
-        )
+            x, weight, bias, target, class_weight, geometry, options, want, fallback, decoded.compute_dtype, grad_loss,
+            filter_rest,
+        )  # fmt: skip
     dtypes = (x.dtype, weight.dtype, x.dtype if bias is None else bias.dtype)
     return tuple(g if g is not None else _empty(x.device, t) for g, t in zip(grads, dtypes, strict=True))
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -27,31 +27,47 @@ from flce_policy.strategies import ChunkStrategy
 
 if TYPE_CHECKING:
     from flce_policy.plan.oom import OOMFallback
+    from flce_policy.plan.weight_filter import FilterRest
 
-__all__ = ["check_tensors", "geometry_for", "geometry_for_call", "call_problem"]
+__all__ = ["ResolvedCall", "check_tensors", "geometry_for", "geometry_for_call", "call_problem"]
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+class ResolvedCall(NamedTuple):
+    """What a loss call takes from its policy argument."""
+
+    geometry: Geometry
+    #: how an OOM on the slab is answered (None: not at all)
+    fallback: OOMFallback | None
+    #: the policy's memory of the problem's last flagged call (None without a policy: every filtered call flags)
+    filter_rest: FilterRest | None = None
+
+
 def geometry_for(
     policy: Any, x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, *, tp_size: int = 1
-) -> tuple[Geometry, OOMFallback | None]:
-    """The geometry to run, and how an OOM on its slab is answered (a policy's settings, else the default).
+) -> ResolvedCall:
+    """The geometry to run, how an OOM on its slab is answered (a policy's settings, else the default) and, from a
+    policy, the grad_weight filter's rest for the problem.
 
     Under tensor parallelism ``weight`` is this rank's shard and ``tp_size`` the group's size.
     Called on every loss call (eager, and inside the compiled op): plain lookups, no validation
     once a problem has been seen.
     """
     if isinstance(policy, Geometry):
-        return policy, DEFAULT_OOM_FALLBACK  # checked against the tensors by the driver
+        return ResolvedCall(policy, DEFAULT_OOM_FALLBACK)  # checked against the tensors by the driver
     problem = call_problem(x.shape[0], x.shape[1], weight.shape[0], dtype, tp_size)
     device = probe.device_for_tensor_device(x.device)
     if isinstance(policy, ChunkStrategy):
-        return strategy_geometry(policy, problem, device), DEFAULT_OOM_FALLBACK
+        return ResolvedCall(strategy_geometry(policy, problem, device), DEFAULT_OOM_FALLBACK)
     if policy is None:
         policy = _default_policy(os.environ.get(CONFIG_ENV_VAR))
     if isinstance(policy, FLCEPolicy):
-        return policy.resolve(problem, device), policy.oom_fallback_for(problem, device)
+        return ResolvedCall(
+            policy.resolve(problem, device),
+            policy.oom_fallback_for(problem, device),
+            policy.filter_rest_for(problem, device),
+        )
     raise TypeError(f"policy must be an FLCEPolicy, a Geometry, a ChunkStrategy or None; got {type(policy).__name__}")
 
 

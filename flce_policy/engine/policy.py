@@ -26,6 +26,7 @@ from flce_policy.plan.units import format_bytes, parse_bytes
 from flce_policy.plan.weight_filter import (
     FILTER_COLS,
     FILTER_ROWS,
+    FilterRest,
     check_rescue_has_filter,
     checked_filter_eps,
     checked_filter_rescue,
@@ -182,6 +183,7 @@ class FLCEPolicy:
         self.min_chunk_size = min_chunk_size
         self.source = source
         self._cache: dict[tuple[Problem, DeviceInfo], Geometry | _AskEachCall] = {}
+        self._filter_rests: dict[tuple[Problem, DeviceInfo], FilterRest] = {}
         self._probed: DeviceInfo | None = None
         from flce_policy.engine.policy_keys import register_policy  # the compiled loss finds it by id
 
@@ -340,9 +342,22 @@ class FLCEPolicy:
             return None
         return OOMFallback(self.min_chunk_size, functools.partial(self.remember, problem, device))
 
+    def filter_rest_for(self, problem: Problem, device: DeviceInfo) -> FilterRest:
+        """The grad_weight filter's memory of ``problem`` on ``device``: after a call whose flags kept every tile,
+        the next few filtered calls run dense without flags (:class:`~flce_policy.plan.weight_filter.FilterRest`)."""
+        key = (problem, device)
+        rest = self._filter_rests.get(key)
+        if rest is None:
+            if len(self._filter_rests) >= _CACHE_LIMIT:
+                self._filter_rests.clear()
+            rest = self._filter_rests[key] = FilterRest()
+        return rest
+
     def clear_cache(self) -> None:
-        """Forget cached and remembered decisions and the probed device (after mutating a strategy, say)."""
+        """Forget cached and remembered decisions, the filter's rests and the probed device (after mutating a
+        strategy, say)."""
         self._cache.clear()
+        self._filter_rests.clear()
         self._probed = None
 
     def _store(self, key: tuple[Problem, DeviceInfo], entry: Geometry | _AskEachCall) -> None:

@@ -20,8 +20,9 @@ Terms (seconds), each traced to measurements on the H200 (results/notes/README.m
   per-row flags; with a rescue N (``geometry.grad_weight_filter_rescue``), at least 1/N of the skipped share
   is multiplied after all (1/N taken: the share by level depends on the logits); the kept share's
   cost is capped at a dense GEMM's (the kernel hands a chunk with nearly every tile kept to cuBLAS); with
-  nothing skipped (and row-only geometry) the fixed share and the flags are paid on the first chunk only, whose
-  flags keeping every tile end the call's flagging. These are the TMA launch's (Hopper and later); the
+  nothing skipped the fixed share and the flags are paid on the first chunk only (row-only geometry), whose
+  flags keeping every tile end the call's flagging, and by one call in ``1 + FILTER_REST_CALLS`` (a policy
+  runs that many dense after it: the price is their average). These are the TMA launch's (Hopper and later); the
   pointer-based launches that run where TMA cannot are slower, not modelled apart;
 - the scaled-exp slab (``geometry.slab_form``): its logits GEMM at ``scaled_exp_gemm_efficiency`` of
   cuBLAS's rate, and the CE kernels one read and one write of the slab (its partials come from the GEMM);
@@ -49,7 +50,7 @@ from flce_policy.plan.collectives import comm_plan
 from flce_policy.plan.device import DeviceInfo
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.scaled_exp import is_scaled_exp
-from flce_policy.plan.weight_filter import ALL_KEPT_COST, FILTER_COLS
+from flce_policy.plan.weight_filter import ALL_KEPT_COST, FILTER_COLS, FILTER_REST_CALLS
 
 __all__ = [
     "DeviceRates",
@@ -158,8 +159,11 @@ def predict_seconds(
     # two reads and a write of the slab; the scaled-exp slab's partials come from the GEMM: a read and a write,
     # and none in its row-scaled form (a filter's flags come from the GEMM's epilogue too)
     ce_passes = 0 if rows else 2 if scaled_exp else 3
-    # with nothing skipped, only the first chunk is flagged: its flags keep every tile, which ends the flagging
-    flagged_share = 1.0 / geometry.num_chunks if kept >= 1.0 and geometry.is_row_only else 1.0
+    # with nothing skipped, only the first chunk is flagged: its flags keep every tile, which ends the flagging;
+    # and only one call in 1 + FILTER_REST_CALLS: the policy's rest runs the others without flags
+    flagged_share = (
+        (1.0 / geometry.num_chunks if geometry.is_row_only else 1.0) / (1 + FILTER_REST_CALLS) if kept >= 1.0 else 1.0
+    )
     terms = {
         "gemm": (gemms - 1 if filtered else gemms) * one_gemm,
         # the scaled-exp slab's logits GEMM (its epilogue) over cuBLAS's

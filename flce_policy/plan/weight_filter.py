@@ -26,7 +26,9 @@ __all__ = [
     "ALL_KEPT_COST",
     "DENSE_LOOP_MIN_KEPT",
     "FILTER_COLS",
+    "FILTER_REST_CALLS",
     "FILTER_ROWS",
+    "FilterRest",
     "KEPT_FLAG",
     "MAX_RESCUE",
     "RESCUE_HASH",
@@ -52,6 +54,12 @@ DENSE_LOOP_MIN_KEPT = 0.5
 #: 1.10), narrow 1.20x at 896 (results/2026-12-02-h200-session13/filter-final.log); the pointer launches 1.10x
 #: (results/notes/2026-12-01-h200-filter-probe-4.log).
 ALL_KEPT_COST = {"tma": 1.10, "tma_narrow": 1.20, "pointer": 1.10}
+#: After a call whose flags kept every tile (logits with nothing to skip: early training, random logits), a
+#: policy runs this many filtered calls of the same problem dense, without flags (:class:`FilterRest`). The flags
+#: cost a one-chunk call 2.5-3.0% when they keep every tile (H200, 16384x1024x131072,
+#: results/2026-12-03-h200-session22/trained_guard); averaged over a rest and the call that flags, 1/17 of that.
+#: Logits that become skippable are filtered again at most this many calls later.
+FILTER_REST_CALLS = 16
 #: The largest ``grad_weight_filter_rescue``: one skipped tile in 65536 is as good as none.
 MAX_RESCUE = 2**16
 #: The CE finish kernel's flag byte per token row and FILTER_COLS classes where some column is kept; elsewhere
@@ -137,3 +145,32 @@ def check_rescue_has_filter(eps: float | None, rescue: int | None, where: str = 
             f"{where}grad_weight_filter_rescue={rescue} needs a grad_weight_filter eps (it rescues some of the tiles "
             "the filter skips); set grad_weight_filter too, or leave the rescue out"
         )
+
+
+class FilterRest:
+    """A policy's memory, per problem, of the filter's last flagged call (:meth:`FLCEPolicy.filter_rest_for`).
+
+    After a call whose flags kept every tile at eps, the next :data:`FILTER_REST_CALLS` filtered calls at eps or
+    less run the dense GEMMs without flags: their grad_weight is the unfiltered one, which is what flags keeping
+    every tile give. A call at a larger eps (which may skip where a smaller one kept all) flags anyway.
+    """
+
+    __slots__ = ("_calls_left", "_eps")
+
+    def __init__(self) -> None:
+        self._calls_left = 0
+        self._eps = 0.0
+
+    def flags(self, eps: float) -> bool:
+        """Whether a filtered call at ``eps`` computes its flags; one that does not is counted off the rest."""
+        if self._calls_left and eps <= self._eps:
+            self._calls_left -= 1
+            return False
+        return True
+
+    def kept_every_tile(self, eps: float) -> None:
+        """A call's flags at ``eps`` kept every tile: rest for the next :data:`FILTER_REST_CALLS` calls."""
+        self._calls_left, self._eps = FILTER_REST_CALLS, eps
+
+    def __repr__(self) -> str:
+        return f"FilterRest(calls_left={self._calls_left}, eps={self._eps!r})"
