@@ -102,7 +102,7 @@ while [ $# -gt 0 ]; do
         python3 -m flce_policy.benchmarks.accuracy "${pick[@]}" --methods "${methods[@]}" \
           --out "$d/accuracy-$inputs.json" 2>&1 | tee "$d/accuracy-$inputs.log" || status=1
       done
-      # random logits over runs of calls: a policy's filtered calls rest (dense, no flags) after flags keeping every tile
+      # random logits over runs of calls: a policy's filtered calls rest (dense, no flags) after flags that bought nothing
       python3 -m flce_policy.benchmarks.filter_rest --out "$d/filter_rest.json" 2>&1 | tee "$d/filter_rest.log" || status=1
       # the filter's ways of treating its dropped tiles (skip, uniform rescue, rescue by level), priced exactly
       python3 -m flce_policy.benchmarks.rescue_schemes --inputs trained --accuracy "$d/accuracy-trained.json" \

@@ -41,7 +41,7 @@ from .weight_grad_filter import (
     filtered_weight_grad,
     filters,
     flag_tiles,
-    rest_after_every_tile_kept,
+    rest_after_dense,
 )
 
 # The call and event types and the test hooks live below both drivers (driver_call); re-exported as the driver's API.
@@ -140,9 +140,10 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
     filtered = filters(call)  # with a filter even where this call rests (the observers count it unfiltered)
     flagging = scratch is not None
     for index in range(geometry.num_chunks):
-        # once a chunk's flags kept every tile (nothing to skip: random logits), the call's later chunks go dense
-        # without flags, which cost 2-3% of a chunk (the GEMM's row maxima, the finish's flag bytes; H200,
-        # results/2026-12-02-h200-session20/overhead_probe.log) that a chunk like it would not win back
+        # once a chunk's flags kept so many tiles that its grad_weight ran the dense GEMM (little or nothing to skip:
+        # random logits), the call's later chunks go dense without flags, which cost 2-3% of a chunk (the GEMM's row
+        # maxima, the finish's flag bytes; H200, results/2026-12-02-h200-session20/overhead_probe.log) that a chunk
+        # like it would not win back
         chunk_scratch = scratch if flagging else None
         if _fault_hooks:
             before_chunk(geometry, index)
@@ -225,7 +226,7 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
         # the row-scaled slab is the gradient over each row's scale: grad_weight's GEMM takes x_c times it
         x_operand = x_chunk if x_scaled is None else x_scaled[: stop - start]
         if chunk_scratch is not None:
-            filtered_weight_grad(
+            went_dense = filtered_weight_grad(
                 grad_weight,
                 logits,
                 x_operand,
@@ -235,7 +236,7 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
                 rescue=params.grad_weight_filter_rescue,
                 flagged=flagged,
             )
-            flagging = not flagged.every_tile_flagged()
+            flagging = not went_dense
         else:
             if grad_weight is not None:
                 # The first chunk overwrites (beta=0): no zero-fill of a parameter-sized buffer.
@@ -248,5 +249,5 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
             target_terms.into_weight_grads(grad_weight, grad_bias, x_chunk)
         if _observers:
             notify(ChunkEvent(index, start, stop - start, tuple(slab.shape), slab.numel() * slab.element_size()))
-    if scratch is not None and not flagging:  # a chunk's flags kept every tile: the policy rests a few calls
-        rest_after_every_tile_kept(call)
+    if scratch is not None and not flagging:  # a chunk's flags bought nothing: the policy rests a few calls
+        rest_after_dense(call)

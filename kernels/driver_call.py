@@ -55,7 +55,7 @@ class CEParams:
     #: (unbiased); None: none kept.
     grad_weight_filter_rescue: int | None = None
     #: The policy's memory of this problem's flagged calls (None: the call flags): a call resting after one whose
-    #: flags kept every tile runs the dense GEMMs; one whose flags keep every tile starts a rest.
+    #: flags bought nothing (its grad_weight went to the dense GEMM) runs the dense GEMMs without flags.
     grad_weight_filter_rest: FilterRest | None = None
 
 

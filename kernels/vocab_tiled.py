@@ -26,7 +26,7 @@ from .weight_grad_filter import (
     filtered_weight_grad,
     filters,
     flag_tiles,
-    rest_after_every_tile_kept,
+    rest_after_dense,
 )
 
 __all__ = ["run_vocab_tiled"]
@@ -55,8 +55,8 @@ def run_vocab_tiled(call: DriverCall, outputs: DriverOutputs) -> None:
         if _observers:
             slab_shape = (chunk_size, geometry.vocab_chunk)
             notify(ChunkEvent(index, row_start, row_stop - row_start, slab_shape, run.slab_bytes))
-    if run.filter is not None and run.every_tile_kept:  # nothing to skip: the policy rests a few calls
-        rest_after_every_tile_kept(call)
+    if run.filter is not None and run.every_tile_dense:  # the flags bought nothing: the policy rests a few calls
+        rest_after_dense(call)
 
 
 class _TiledRun:
@@ -83,7 +83,7 @@ class _TiledRun:
         self.first_late = len(self.tiles) - self.layout.late_tiles
         self.filter = filter_scratch_for(call, geometry.chunk_size, width)  # None: the dense GEMMs
         self.filtered = filters(call)  # with a filter even where this call rests (the observers count it unfiltered)
-        self.every_tile_kept = self.filter is not None  # until a tile's flags skip something
+        self.every_tile_dense = self.filter is not None  # until a vocab tile's flags run the filtered kernel
         self.shared = dict(
             ignore_index=params.ignore_index,
             label_smoothing=params.label_smoothing,
@@ -193,7 +193,7 @@ class _TiledRun:
         """A tile's share of grad_weight (cuBLAS); with the filter, of grad_weight and grad_bias (its kernel)."""
         grad_weight, grad_bias = self.outputs.grad_weight, self.outputs.grad_bias
         if self.filter is not None:
-            filtered_weight_grad(
+            went_dense = filtered_weight_grad(
                 None if grad_weight is None else grad_weight[start:stop],
                 tile,
                 x_chunk,
@@ -203,8 +203,7 @@ class _TiledRun:
                 rescue=self.params.grad_weight_filter_rescue,
                 flagged=flagged,
             )
-            if flagged is not None and self.every_tile_kept:
-                self.every_tile_kept = flagged.every_tile_flagged()
+            self.every_tile_dense = self.every_tile_dense and went_dense
             return
         if grad_weight is not None:
             accumulate_mm(grad_weight[start:stop], tile.t(), x_chunk, first=first)

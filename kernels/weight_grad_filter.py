@@ -80,7 +80,7 @@ __all__ = [
     "filtered_weight_grad",
     "filters",
     "flag_tiles",
-    "rest_after_every_tile_kept",
+    "rest_after_dense",
     "eps_logs",
     "finish_kernel_args",
     "observe_tiles",
@@ -239,7 +239,7 @@ def filters(call: DriverCall) -> bool:
 
 def filter_scratch_for(call: DriverCall, rows: int, tile_cols: int) -> FilterScratch | None:
     """A driver call's filter buffers, or None for the dense GEMMs: without a filter (:func:`filters`), or while the
-    policy's rest after a call whose flags kept every tile lasts (this call is counted off it; never while a CUDA
+    policy's rest after a call whose flags bought nothing lasts (this call is counted off it; never while a CUDA
     graph is captured: a replay would never flag)."""
     if not filters(call):
         return None
@@ -255,11 +255,11 @@ def capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def rest_after_every_tile_kept(call: DriverCall) -> None:
-    """Tell the policy's rest (if any) that this call's flags kept every tile."""
+def rest_after_dense(call: DriverCall) -> None:
+    """Tell the policy's rest (if any) that this call's flags kept so many tiles that they went to the dense GEMM."""
     rest = call.params.grad_weight_filter_rest
     if rest is not None:
-        rest.kept_every_tile(call.params.grad_weight_filter)
+        rest.went_dense(call.params.grad_weight_filter)
 
 
 @triton.jit
@@ -579,11 +579,6 @@ class FlaggedTiles:
         the expectation it estimates). False (the kernel) where nothing was counted (a CUDA graph being captured)."""
         tiles = self._tiles()
         return tiles is not None and tiles[1] * all_kept_cost >= tiles[0]
-
-    def every_tile_flagged(self) -> bool:
-        """Whether the flags keep every tile (nothing to skip); False where nothing was counted."""
-        tiles = self._tiles()
-        return tiles is not None and tiles[1] == tiles[0]
 
 
 def flag_tiles(

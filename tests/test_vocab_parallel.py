@@ -332,7 +332,7 @@ def _grad_weight_filter(rank, world):
     call's, the shard's grad_weight/bias the fp64 reference's over the kept tiles (the shards past the targets'
     classes skip all or part of theirs); with a rescue, the rescued tiles (the hash over the shard's own column
     blocks) counted N times."""
-    from test_weight_grad_filter import _tile_mask, unflagged_after_a_full_chunk
+    from test_weight_grad_filter import _tile_mask, unflagged_after_a_dense_chunk
     from test_weight_grad_filter_rescue import rescue_scale
 
     eps = 0.01
@@ -358,7 +358,7 @@ def _grad_weight_filter(rank, world):
     (grad,) = torch.autograd.grad(torch.nn.functional.cross_entropy(logits, y), logits)
     p = logits.detach().softmax(-1)
     onehot = torch.nn.functional.one_hot(y, V).double()
-    keep = unflagged_after_a_full_chunk((((p - onehot).abs() >= eps) | (onehot > 0))[:, start:stop], CHUNKS.chunk_size)
+    keep = unflagged_after_a_dense_chunk((((p - onehot).abs() >= eps) | (onehot > 0))[:, start:stop], CHUNKS.chunk_size)
     mask = _tile_mask(keep, CHUNKS.chunk_size, stop - start)
     shard_grad = grad[:, start:stop] * mask
     assert_close(gw, shard_grad.T @ x_full.double(), FP32_TOL, "grad_weight (shard, filtered)")

@@ -19,7 +19,7 @@ from flce_policy.kernels import driver
 from flce_policy.kernels.weight_grad_filter import observe_tiles
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.problem import Problem
-from flce_policy.plan.weight_filter import FILTER_COLS, FILTER_ROWS
+from flce_policy.plan.weight_filter import ALL_KEPT_COST, FILTER_COLS, FILTER_ROWS
 
 pytestmark = pytest.mark.skipif(
     DEVICE == "cuda" and not torch.cuda.is_available(),
@@ -129,7 +129,7 @@ def reference(
 
     def keep_at(threshold: float) -> torch.Tensor:
         keep = ((deviation >= threshold) | (onehot > 0)) & valid[:, None]
-        return keep if vocab_chunk else unflagged_after_a_full_chunk(keep, chunk)
+        return keep if vocab_chunk else unflagged_after_a_dense_chunk(keep, chunk)
 
     mask = _tile_mask(keep_at(eps), chunk, vocab_chunk or V)
     for nearby in (eps * (1 - 1e-3), eps * (1 + 1e-3)):  # the kernel's fp32 p could fall either side of eps
@@ -150,13 +150,16 @@ def reference(
     }
 
 
-def unflagged_after_a_full_chunk(keep: torch.Tensor, chunk: int) -> torch.Tensor:
-    """``keep [rows, classes]`` as the driver (one vocab tile) applies it: once a chunk's tiles are all kept, the
-    later chunks are not flagged and go dense, as if each of their entries were kept."""
+def unflagged_after_a_dense_chunk(
+    keep: torch.Tensor, chunk: int, all_kept_cost: float = ALL_KEPT_COST["pointer"]
+) -> torch.Tensor:
+    """``keep [rows, classes]`` as the driver (one vocab tile) applies it: once a chunk keeps so many tiles that its
+    grad_weight runs the dense GEMM (kept share x ``all_kept_cost`` >= 1; the pointer launch's: these tests' rows
+    are not 16-byte aligned for TMA), the later chunks are not flagged and go dense, as if each entry were kept."""
     tiles, row_tile, _ = _tiles_kept(keep, chunk, keep.shape[1])
     out = keep.clone()
     for start in range(0, keep.shape[0], chunk):
-        if bool(tiles[row_tile[start : start + chunk].unique()].all()):
+        if float(tiles[row_tile[start : start + chunk].unique()].double().mean()) * all_kept_cost >= 1.0:
             out[start + chunk :] = True
             break
     return out

@@ -15,10 +15,12 @@ from flce_policy import FLCEPolicy, fused_linear_cross_entropy
 from flce_policy.call.options import LossOptions
 from flce_policy.engine.config import ConfigError
 from flce_policy.loss import FusedLinearCrossEntropyLoss
+from flce_policy.plan import cost_model
 from flce_policy.plan.cost_model import RATES, predict_seconds
 from flce_policy.plan.device import DeviceInfo
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.problem import Problem
+from flce_policy.plan.weight_filter import FILTER_REST_CALLS
 
 BAD_VALUES = [
     (-1e-3, ValueError), (math.nan, ValueError), (math.inf, ValueError), (1.0, ValueError),
@@ -124,7 +126,9 @@ def test_cost_model_prices_the_skipped_share():
         predict_seconds(filtered, rates, skipped_share=1.5)
 
 
-def test_cost_model_prices_the_flags_on_the_first_chunk_only_when_nothing_is_skipped():
+def test_cost_model_prices_the_flags_of_a_dense_chunk_once_per_call_and_rest(monkeypatch):
+    """Where so much is kept that the dense GEMM runs, the flags are paid on the first chunk only (its going dense
+    ends the call's flagging), and by one call in 1 + FILTER_REST_CALLS (the policy's rest)."""
     problem = Problem(tokens=8192, hidden=4096, vocab=131072, dtype="bfloat16")
     rates = RATES["H200"]
 
@@ -138,8 +142,10 @@ def test_cost_model_prices_the_flags_on_the_first_chunk_only_when_nothing_is_ski
 
     assert flag_cost(8192, 0.0) > 0
     assert flag_cost(2048, 0.0) == pytest.approx(flag_cost(8192, 0.0) / 4)
-    # something to skip: every chunk is flagged (the kernel's share shrinks, the flags' cost stays per chunk)
-    assert flag_cost(2048, 0.05) > flag_cost(2048, 0.0) * 2
+    assert flag_cost(2048, 0.05) == pytest.approx(flag_cost(2048, 0.0))  # 95% kept: the dense GEMM all the same
+    averaged = flag_cost(8192, 0.0)
+    monkeypatch.setattr(cost_model, "FILTER_REST_CALLS", 0)  # no rest: every call pays
+    assert flag_cost(8192, 0.0) == pytest.approx(averaged * (1 + FILTER_REST_CALLS))
 
 
 def test_compiled_op_carries_the_filter():

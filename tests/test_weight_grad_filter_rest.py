@@ -1,5 +1,6 @@
 """The filter's rest: a policy runs a problem's next filtered calls dense, without flags, after a call whose flags
-kept every tile (nothing to skip), then flags again (flce_policy.plan.weight_filter.FilterRest).
+bought nothing (so many tiles kept that its grad_weight ran the dense GEMM), then flags again
+(flce_policy.plan.weight_filter.FilterRest).
 
 The dense calls' results are the unfiltered call's, bit for bit; the call after the rest is filtered, against the
 fp64 masked reference of tests/test_weight_grad_filter.py.
@@ -63,13 +64,13 @@ def flagged_chunks(monkeypatch):
 def test_the_rest_counts_calls_at_its_eps_or_below():
     rest = FilterRest()
     assert rest.flags(FLAT_EPS)  # nothing recorded yet
-    rest.kept_every_tile(FLAT_EPS)
-    assert rest.flags(2 * FLAT_EPS)  # a larger eps may skip where this one kept every tile: it flags, uncounted
+    rest.went_dense(FLAT_EPS)
+    assert rest.flags(2 * FLAT_EPS)  # a larger eps may skip where this one kept nearly all: it flags, uncounted
     calls = [rest.flags(FLAT_EPS / 2) for _ in range(FILTER_REST_CALLS + 2)]
     assert calls == [False] * FILTER_REST_CALLS + [True, True]
 
 
-def test_a_policy_rests_after_flags_that_kept_every_tile(short_rest, flagged_chunks):
+def test_a_policy_rests_after_flags_that_went_dense(short_rest, flagged_chunks):
     policy = FLCEPolicy(default=FixedChunkSize(64))  # BT=100: two chunks, as geometry(F32) gives
     flat, peaked = leaves(flat_inputs(), F32), leaves(peaked_inputs(), F32)
     dense = run(peaked, policy=policy)  # no filter: the rest is neither read nor started
@@ -78,7 +79,7 @@ def test_a_policy_rests_after_flags_that_kept_every_tile(short_rest, flagged_chu
 
     flagged_chunks.clear()
     run(flat, policy=policy, grad_weight_filter=FLAT_EPS)
-    assert flagged_chunks == [True, False]  # the first chunk kept every tile: the second went dense (one call)
+    assert flagged_chunks == [True, False]  # the first chunk went dense: so did the second, without flags
     for _ in range(REST):
         flagged_chunks.clear()
         with observe_tiles() as tiles:
@@ -147,7 +148,7 @@ def test_a_captured_call_flags_whatever_the_rest(short_rest, flagged_chunks, mon
 
 
 @pytest.mark.parametrize("peaked", [False, True])
-def test_the_vocab_tiled_driver_starts_a_rest_only_when_every_tile_is_kept(peaked):
+def test_the_vocab_tiled_driver_starts_a_rest_only_when_every_vocab_tile_went_dense(peaked):
     t = (peaked_inputs if peaked else flat_inputs)()
     x, w, b, y = t["x"], t["w"], t.get("b"), t["y"]  # the peaked inputs' bias makes them peaked
     rest = FilterRest()

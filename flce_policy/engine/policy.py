@@ -343,8 +343,9 @@ class FLCEPolicy:
         return OOMFallback(self.min_chunk_size, functools.partial(self.remember, problem, device))
 
     def filter_rest_for(self, problem: Problem, device: DeviceInfo) -> FilterRest:
-        """The grad_weight filter's memory of ``problem`` on ``device``: after a call whose flags kept every tile,
-        the next few filtered calls run dense without flags (:class:`~flce_policy.plan.weight_filter.FilterRest`)."""
+        """The grad_weight filter's memory of ``problem`` on ``device``: after a call whose flags bought nothing (so
+        many tiles kept that its grad_weight ran the dense GEMM), the next few filtered calls run dense without flags
+        (:class:`~flce_policy.plan.weight_filter.FilterRest`)."""
         key = (problem, device)
         rest = self._filter_rests.get(key)
         if rest is None:

@@ -19,10 +19,10 @@ Terms (seconds), each traced to measurements on the H200 (results/notes/README.m
   kept (listing the kept tiles, writing every block of grad_weight), plus one write and read of the
   per-row flags; with a rescue N (``geometry.grad_weight_filter_rescue``), at least 1/N of the skipped share
   is multiplied after all (1/N taken: the share by level depends on the logits); the kept share's
-  cost is capped at a dense GEMM's (the kernel hands a chunk with nearly every tile kept to cuBLAS); with
-  nothing skipped the fixed share and the flags are paid on the first chunk only (row-only geometry), whose
-  flags keeping every tile end the call's flagging, and by one call in ``1 + FILTER_REST_CALLS`` (a policy
-  runs that many dense after it: the price is their average). These are the TMA launch's (Hopper and later); the
+  cost is capped at a dense GEMM's (the kernel hands a chunk with nearly every tile kept to cuBLAS); where it
+  is, the fixed share and the flags are paid on the first chunk only (row-only geometry), whose going dense
+  ends the call's flagging, and by one call in ``1 + FILTER_REST_CALLS`` (a policy runs that many dense after
+  it: the price is their average). These are the TMA launch's (Hopper and later); the
   pointer-based launches that run where TMA cannot are slower, not modelled apart;
 - the scaled-exp slab (``geometry.slab_form``): its logits GEMM at ``scaled_exp_gemm_efficiency`` of
   cuBLAS's rate, and the CE kernels one read and one write of the slab (its partials come from the GEMM);
@@ -159,10 +159,11 @@ def predict_seconds(
     # two reads and a write of the slab; the scaled-exp slab's partials come from the GEMM: a read and a write,
     # and none in its row-scaled form (a filter's flags come from the GEMM's epilogue too)
     ce_passes = 0 if rows else 2 if scaled_exp else 3
-    # with nothing skipped, only the first chunk is flagged: its flags keep every tile, which ends the flagging;
-    # and only one call in 1 + FILTER_REST_CALLS: the policy's rest runs the others without flags
+    # where so much is kept that the dense GEMM runs, only the first chunk is flagged (its going dense ends the
+    # flagging), and only one call in 1 + FILTER_REST_CALLS: the policy's rest runs the others without flags
+    dense = kept * ALL_KEPT_COST["tma"] >= 1.0
     flagged_share = (
-        (1.0 / geometry.num_chunks if geometry.is_row_only else 1.0) / (1 + FILTER_REST_CALLS) if kept >= 1.0 else 1.0
+        (1.0 / geometry.num_chunks if geometry.is_row_only else 1.0) / (1 + FILTER_REST_CALLS) if dense else 1.0
     )
     terms = {
         "gemm": (gemms - 1 if filtered else gemms) * one_gemm,
@@ -170,12 +171,16 @@ def predict_seconds(
         "scaled_exp_epilogue": one_gemm * (1.0 / gemm_efficiency - 1.0) if scaled_exp else 0.0,
         # the filtered grad_weight GEMM (where the kernel would be slower than cuBLAS, nearly every tile kept, the
         # dense GEMM runs instead), and its flags: one byte per row and 128 classes, written and read
-        "grad_weight_filtered": one_gemm
-        * (1.0 if kept * ALL_KEPT_COST["tma"] >= 1.0 else kept / rates.filtered_gemm_efficiency)
+        "grad_weight_filtered": one_gemm * (1.0 if dense else kept / rates.filtered_gemm_efficiency)
         + (one_gemm * rates.filter_fixed_share + 2 * p.tokens * p.vocab / FILTER_COLS / hbm) * flagged_share
         if filtered
         else 0.0,
-        "grad_weight_rmw": kept * (geometry.num_chunks - 1) * 2 * weight_elems * accum_item / rmw_bandwidth,
+        "grad_weight_rmw": (1.0 if dense else kept)
+        * (geometry.num_chunks - 1)
+        * 2
+        * weight_elems
+        * accum_item
+        / rmw_bandwidth,
         "grad_weight_cast": weight_elems * (accum_item + item) / hbm if accum_item > item else 0.0,
         "grad_input_acc": (geometry.num_vocab_chunks - 1) * 2 * p.tokens * p.hidden * 4 / hbm
         if not geometry.is_row_only

@@ -54,11 +54,11 @@ DENSE_LOOP_MIN_KEPT = 0.5
 #: 1.10), narrow 1.20x at 896 (results/2026-12-02-h200-session13/filter-final.log); the pointer launches 1.10x
 #: (results/notes/2026-12-01-h200-filter-probe-4.log).
 ALL_KEPT_COST = {"tma": 1.10, "tma_narrow": 1.20, "pointer": 1.10}
-#: After a call whose flags kept every tile (logits with nothing to skip: early training, random logits), a
-#: policy runs this many filtered calls of the same problem dense, without flags (:class:`FilterRest`). The flags
-#: cost a one-chunk call 2.5-3.0% when they keep every tile (H200, 16384x1024x131072,
-#: results/2026-12-03-h200-session22/trained_guard); averaged over a rest and the call that flags, 1/17 of that.
-#: Logits that become skippable are filtered again at most this many calls later.
+#: After a call whose flags bought nothing (so many tiles kept, from ``1 / ALL_KEPT_COST`` of them on, that its
+#: grad_weight ran the dense GEMM: early training, random logits), a policy runs this many filtered calls of the
+#: same problem dense, without flags (:class:`FilterRest`). Such flags cost a one-chunk call 2.5-3.0% (H200,
+#: 16384x1024x131072, results/2026-12-03-h200-session22/trained_guard); averaged over a rest and the call that
+#: flags, 1/17 of that. Logits that become skippable are filtered again at most this many calls later.
 FILTER_REST_CALLS = 16
 #: The largest ``grad_weight_filter_rescue``: one skipped tile in 65536 is as good as none.
 MAX_RESCUE = 2**16
@@ -150,9 +150,10 @@ def check_rescue_has_filter(eps: float | None, rescue: int | None, where: str = 
 class FilterRest:
     """A policy's memory, per problem, of the filter's last flagged call (:meth:`FLCEPolicy.filter_rest_for`).
 
-    After a call whose flags kept every tile at eps, the next :data:`FILTER_REST_CALLS` filtered calls at eps or
-    less run the dense GEMMs without flags: their grad_weight is the unfiltered one, which is what flags keeping
-    every tile give. A call at a larger eps (which may skip where a smaller one kept all) flags anyway.
+    After a call whose flags at eps sent its grad_weight to the dense GEMM (so many tiles kept that the kernel would
+    be slower), the next :data:`FILTER_REST_CALLS` filtered calls at eps or less run the dense GEMMs without flags:
+    their grad_weight is the unfiltered one, which is what such flags give. A call at a larger eps (which may skip
+    where a smaller one kept nearly all) flags anyway.
     """
 
     __slots__ = ("_calls_left", "_eps")
@@ -168,8 +169,9 @@ class FilterRest:
             return False
         return True
 
-    def kept_every_tile(self, eps: float) -> None:
-        """A call's flags at ``eps`` kept every tile: rest for the next :data:`FILTER_REST_CALLS` calls."""
+    def went_dense(self, eps: float) -> None:
+        """A call's flags at ``eps`` sent its grad_weight to the dense GEMM: rest for the next
+        :data:`FILTER_REST_CALLS` calls."""
         self._calls_left, self._eps = FILTER_REST_CALLS, eps
 
     def __repr__(self) -> str:
