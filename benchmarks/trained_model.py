@@ -119,9 +119,13 @@ def train(
     Every ``log_every`` steps (and at the last) ``on_log(step, loss, seconds so far)`` is called
     (a host sync); other steps never wait for the device. Past ``max_seconds`` it raises
     :class:`TrainingTooSlow` rather than stop short, so a build is always ``config.steps`` long.
+    ``policy`` None: a fresh ``FLCEPolicy.default()``, so that nothing an earlier training of the process left in a
+    policy (an OOM fallback's size, the grad_weight filter's rest) reaches this one: runs from one seed repeat.
     """
+    from flce_policy import FLCEPolicy
     from flce_policy.integrations.transformers import apply_flce
 
+    policy = FLCEPolicy.default() if policy is None else policy
     model = apply_flce(build_model(config).to(device).train(), policy, **(loss_options or {}))
     optimizer = torch.optim.AdamW(
         model.parameters(),
