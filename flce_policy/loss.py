@@ -122,10 +122,11 @@ def fused_linear_cross_entropy(
             ``label_smoothing`` the threshold ignores the smoothing too, and a skipped tile drops its
             uniform ``-eps_ls/V`` term. None (default): the policy rule's ``grad_weight_filter`` (none
             unless a rule sets one: the dense path); a number here wins over the policy's, and ``0``
-            (nothing skipped) runs the dense path. Given an :class:`FLCEPolicy`, a call whose flags kept
-            every tile (nothing to skip) makes the policy run the problem's next filtered calls at that eps or
-            below (``FILTER_REST_CALLS`` of :mod:`flce_policy.plan.weight_filter`) dense, without the flags'
-            cost; then one flags again. See docs/grad_weight_filter.md.
+            (nothing skipped) runs the dense path. Given an :class:`FLCEPolicy`, a call whose flags bought
+            nothing (so many tiles kept that grad_weight ran the dense GEMM) makes the policy run the
+            problem's next filtered calls at that eps or below (``FILTER_REST_CALLS`` of
+            :mod:`flce_policy.plan.weight_filter`) dense, without the flags' cost; then one flags again. See
+            docs/grad_weight_filter.md.
         grad_weight_filter_rescue: N, a power of two in [2, 65536]: a tile the filter skips whose largest
             per-token ``|p - onehot|`` lies L octaves below eps is multiplied anyway with probability 2^-L (L at
             least 1, at most log2(N); picked by a hash of the tile's rows of ``input`` and its classes: other
