@@ -231,11 +231,13 @@ def _vocab_parallel_loss(
             "its per-chunk collectives run in the eager driver; wrap the loss call in torch.compiler.disable"
         )
     # An OOM retry on one rank alone would leave the others waiting in its collectives: no fallback.
-    x, weight, bias, target_flat, class_weight, geometry, options, targets = prepare_vocab_parallel(
+    x, weight, bias, target_flat, class_weight, geometry, options, targets, filter_rest = prepare_vocab_parallel(
         input, weight, target, bias, class_weight, options, policy=policy, group=group,
         grad_input=grad_input, compute_dtype=compute_dtype,
     )  # fmt: skip
-    return _apply(x, weight, bias, target_flat, class_weight, geometry, options, None, compute_dtype, targets)
+    return _apply(
+        x, weight, bias, target_flat, class_weight, geometry, options, None, compute_dtype, targets, filter_rest
+    )
 
 
 def _eager_loss(

@@ -61,7 +61,10 @@ def test_one_run_per_arm_is_refused():
         run_all(TINY, 0.5, runs_per_arm=1, sources=tiny_sources, log=lambda _m: None)
 
 
-@pytest.mark.parametrize(("text", "eps"), [("2**-16", 2.0**-16), ("1.52587890625e-05", 2.0**-16), ("2^-12", 2.0**-12)])
+@pytest.mark.parametrize(
+    ("text", "eps"),
+    [("2**-16", 2.0**-16), ("1.52587890625e-05", 2.0**-16), ("2^-12", 2.0**-12), ("2**-13.5", 2.0**-13.5)],
+)
 def test_the_filter_option_reads_a_number_or_a_power_of_two(text, eps):
     assert build_parser().parse_args(["--out", "d", "--filter", text]).filter == eps
 

@@ -372,6 +372,56 @@ def _grad_weight_filter(rank, world):
     assert_close(rescued_gb, rescued_grad.sum(0), FP32_TOL, "grad_bias (shard, rescued)")
 
 
+def _grad_weight_filter_rest(rank, world):
+    """A policy's rest on a shard: after a call whose flags went dense (flat logits: every tile kept), the shard
+    problem's next calls run dense without flags (grad_weight the unfiltered call's bit for bit, every tile
+    counted), then one flags again (the filtered call's grad_weight, bit for bit)."""
+    from flce_policy import FLCEPolicy
+    from flce_policy.kernels.weight_grad_filter import observe_tiles
+    from flce_policy.plan import weight_filter
+
+    eps, rest_calls = 0.01, 2
+    inputs = make_inputs(BT, H, V)
+    y = torch.randint(0, 30, (BT,), generator=torch.Generator().manual_seed(9))
+    start, stop = _shard_range(rank, world)
+    peaked = (inputs["x"], 0.3 * inputs["w"][start:stop], torch.linspace(3.0, -9.0, V)[start:stop])
+    flat = (inputs["x"], torch.zeros(stop - start, H), torch.zeros(stop - start))  # p = 1/97 >= eps everywhere
+
+    def call(leaves, policy, filter_eps):
+        x, w, b = (t.clone().requires_grad_() for t in leaves)
+        with observe_tiles() as tiles:  # the driver computes the gradients in the forward
+            loss = fused_linear_cross_entropy(
+                x, w, y, b, policy=policy, tp_group=dist.group.WORLD, grad_weight_filter=filter_eps
+            )
+        grads = torch.autograd.grad(loss, (x, w, b))
+        return (loss.detach(), *grads), (sum(int(t.kept) for t in tiles), sum(t.total for t in tiles))
+
+    # every rank makes the same calls (their collectives pair up); the checks come after the last one
+    dense, _ = call(peaked, CHUNKS, None)
+    filtered, filtered_tiles = call(peaked, CHUNKS, eps)  # a strategy remembers nothing: every call flags
+    saved = weight_filter.FILTER_REST_CALLS
+    weight_filter.FILTER_REST_CALLS = rest_calls
+    try:
+        policy = FLCEPolicy(default=CHUNKS)
+        _, flat_tiles = call(flat, policy, eps)  # flags that went dense: the rest starts
+        rested = [call(peaked, policy, eps) for _ in range(rest_calls)]
+        after, after_tiles = call(peaked, policy, eps)
+    finally:
+        weight_filter.FILTER_REST_CALLS = saved
+    kept, total = filtered_tiles
+    assert kept < total or rank == 0, f"rank {rank}: {kept} of {total} tiles kept, the check would not tell"
+    assert flat_tiles[0] == flat_tiles[1] > 0, f"flat logits: {flat_tiles} (kept, total)"
+    for results, (kept, total) in rested:
+        assert kept == total > 0, f"a rested call skipped {total - kept} of {total} tiles"
+        assert all(torch.equal(a, b) for a, b in zip(results, dense, strict=True)), (
+            "a rested call differs from the dense one"
+        )
+    assert after_tiles == filtered_tiles, f"after the rest {after_tiles}, a strategy's call {filtered_tiles}"
+    assert all(torch.equal(a, b) for a, b in zip(after, filtered, strict=True)), (
+        "the call after the rest is not filtered"
+    )
+
+
 CHECKS: dict[str, Callable[[int, int], None]] = {
     "hf_colwise_head": _hf_colwise_head,
     **{
@@ -390,6 +440,7 @@ CHECKS: dict[str, Callable[[int, int], None]] = {
     "group_of_one": _group_of_one,
     "bad_input": _bad_input,
     "grad_weight_filter": _grad_weight_filter,
+    "grad_weight_filter_rest": _grad_weight_filter_rest,
 }
 
 

@@ -44,7 +44,10 @@ def test_bad_eps_in_yaml_names_the_key(value):
         FLCEPolicy.from_yaml_text(text)
 
 
-@pytest.mark.parametrize(("text", "eps"), [("2**-12", 2.0**-12), ("2^-16", 2.0**-16), (" 2 ** -14 ", 2.0**-14)])
+@pytest.mark.parametrize(
+    ("text", "eps"),
+    [("2**-12", 2.0**-12), ("2^-16", 2.0**-16), (" 2 ** -14 ", 2.0**-14), ("2**-13.5", 8.631674575031098e-05)],
+)
 def test_eps_written_as_a_power_of_two(text, eps):
     yaml_text = f"version: 1\ndevices:\n  - match: cpu\n    strategy: heuristic_c\n    grad_weight_filter: {text}\n"
     problem = Problem(tokens=BT, hidden=H, vocab=V, dtype="float32")
@@ -54,7 +57,7 @@ def test_eps_written_as_a_power_of_two(text, eps):
 @pytest.mark.parametrize(
     ("text", "fragment"),
     [("2**3", "in \\[0, 1\\)"), ("2**-5000", "below the smallest double"), ("2**-99999999999999999999", "below"),
-     ("3**-2", "must be a number")],
+     ("3**-2", "must be a number"), ("2**-13.", "must be a number"), ("2**-1e3", "must be a number")],
 )  # fmt: skip
 def test_a_power_of_two_out_of_range_is_refused_by_name(text, fragment):
     yaml_text = f"version: 1\ndevices:\n  - match: cpu\n    strategy: heuristic_c\n    grad_weight_filter: {text}\n"

@@ -35,6 +35,7 @@ from flce_policy.call.resolve import check_tensors, geometry_for
 from flce_policy.call.targets import TargetCheck
 from flce_policy.distributed.sharded import is_dtensor
 from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.weight_filter import FilterRest
 
 __all__ = ["GradInputMode", "VocabParallelCall", "prepare_vocab_parallel"]
 
@@ -55,6 +56,9 @@ class VocabParallelCall(NamedTuple):
     geometry: Geometry | None
     options: LossOptions
     targets: TargetCheck  # checked already: the safe targets are ``target``
+    #: the policy's rest for this rank's shard problem: a rank's flags and their dense fallback are its own (no
+    #: collective), so ranks may rest apart
+    filter_rest: FilterRest | None
 
 
 def prepare_vocab_parallel(
@@ -82,7 +86,7 @@ def prepare_vocab_parallel(
     if weight.shape[0] == 0:
         raise ValueError(f"rank {rank} of tp_group holds an empty vocab shard (weight {tuple(weight.shape)})")
     dtype = compute_dtype or x.dtype
-    geometry = geometry_for(policy, x, weight, dtype, tp_size=world)[0] if x.shape[0] else None
+    geometry, _, filter_rest = geometry_for(policy, x, weight, dtype, tp_size=world) if x.shape[0] else (None,) * 3
     needs_input_grad = torch.is_grad_enabled() and input.requires_grad
     fields = _call_fields(x, target_flat, bias, class_weight, options, dtype, grad_input, needs_input_grad)
     sizes, chunk_sizes = _agree(fields, weight.shape[0], geometry, group, world, x.device)
@@ -103,7 +107,7 @@ def prepare_vocab_parallel(
     if grad_input == "full" and needs_input_grad and world > 1:
         x = _SumGradOverGroup.apply(x, group)
     options = dataclasses.replace(options, vocab_shard=shard)
-    return VocabParallelCall(x, weight, bias, target_flat, class_weight, geometry, options, targets)
+    return VocabParallelCall(x, weight, bias, target_flat, class_weight, geometry, options, targets, filter_rest)
 
 
 # --- DTensors and the group ---------------------------------------------------------------------------

@@ -47,13 +47,13 @@ FILTER_ROWS = 32
 #: tile, the skipped ones' loads masked off) rather than its listed loop (kept tiles only, but about
 #: 1.8x slower per tile on the H200: the loop loads its row indices; results/notes/2026-12-01-h200-filter-probe-2.log).
 DENSE_LOOP_MIN_KEPT = 0.5
-#: Each launch of the filtered kernel (kernels.weight_grad_filter): its time with every tile kept over cuBLAS
-#: addmm's (H200). From a kept share of 1 / this on, a chunk's grad_weight runs cuBLAS's dense GEMM instead (the
-#: flags and the lists are paid by then; the kernel's time grows about linearly with the kept share); the cost
-#: model caps its filtered term there too. Wide TMA 1.02-1.16x at 1024-2048 hidden and 4096-8192 rows (taken as
-#: 1.10), narrow 1.20x at 896 (results/2026-12-02-h200-session13/filter-final.log); the pointer launches 1.10x
-#: (results/notes/2026-12-01-h200-filter-probe-4.log).
-ALL_KEPT_COST = {"tma": 1.10, "tma_narrow": 1.20, "pointer": 1.10}
+#: Each launch of the filtered kernel (kernels.weight_grad_filter): its time over cuBLAS addmm's per kept share,
+#: from 80-90% kept (H200, 32-row tiles). From a kept share of 1 / this on, a chunk's grad_weight runs cuBLAS's dense
+#: GEMM instead (the flags and the lists are paid by then); the cost model caps its filtered term there too. Wide TMA
+#: 1.05-1.20 at 1024-5376 hidden and 1152-16384 rows (taken as 1.10), narrow 1.06-1.08 at 896
+#: (results/2026-12-03-h200-session24/probe/all_kept_probe.log; it was 1.20 at 64-row tiles); the pointer launches
+#: 1.10x (results/notes/2026-12-01-h200-filter-probe-4.log, 64-row tiles).
+ALL_KEPT_COST = {"tma": 1.10, "tma_narrow": 1.07, "pointer": 1.10}
 #: After a call whose flags bought nothing (so many tiles kept, from ``1 / ALL_KEPT_COST`` of them on, that its
 #: grad_weight ran the dense GEMM: early training, random logits), a policy runs this many filtered calls of the
 #: same problem dense, without flags (:class:`FilterRest`). Such flags cost a one-chunk call 2.5-3.0% (H200,
@@ -73,23 +73,23 @@ KEPT_FLAG = 255
 #: then ``rounds`` times ``z = ((z ^ (z >> 16)) * mixer) & MASK``; ``z ^ (z >> 16)`` with its low L
 #: bits all 0 rescues a tile of level L (skipped ones only). Every intermediate fits int64.
 RESCUE_HASH = dict(columns=2, block_mul=0x1E3779B1, mixer=0x45D9F3B, rounds=2, mask=0x7FFFFFFF)
-#: A power of two as the docs write eps: ``2**-12`` or ``2^-12``.
-_POWER_OF_TWO = re.compile(r"\s*2\s*(?:\*\*|\^)\s*(-?\d+)\s*")
+#: A power of two as the docs write eps: ``2**-12``, ``2^-12``, ``2**-13.5``.
+_POWER_OF_TWO = re.compile(r"\s*2\s*(?:\*\*|\^)\s*(-?\d+(?:\.\d+)?)\s*")
 
 
 def checked_filter_eps(value: Any, name: str = "grad_weight_filter", *, text: bool = False) -> float | None:
     """``value`` as a float eps in ``[0, 1)``, or None; TypeError/ValueError naming ``name`` otherwise.
 
     ``text``: a string is read as a number (a YAML file: PyYAML reads ``1e-4``, without a dot, as a
-    string), or as a power of two written ``2**-12`` / ``2^-12``. eps >= 1 would skip every tile but the
-    targets' (``|p - onehot|`` never exceeds 1): refused as a mistake.
+    string), or as a power of two written ``2**-12`` / ``2^-12`` (a fractional power too: ``2**-13.5``). eps >= 1
+    would skip every tile but the targets' (``|p - onehot|`` never exceeds 1): refused as a mistake.
     """
     if value is None:
         return None
     if text and isinstance(value, str):
         power = _POWER_OF_TWO.fullmatch(value)
         try:
-            number = 2.0 ** int(power.group(1)) if power else float(value)
+            number = 2.0 ** float(power.group(1)) if power else float(value)
         except (ValueError, OverflowError):
             raise ValueError(f"{name} must be a number in [0, 1) (or 2**-k) or None, got {value!r}") from None
         if power and number == 0.0:  # past a double's range: not the 0 that switches the filter off
