@@ -14,20 +14,16 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
+from test_loss_kernel import DEVICE, NEEDS_KERNEL_DEVICE
 
 from flce_policy import FLCEPolicy
-from flce_policy.kernels.ce_kernel import KERNELS_INTERPRETED
 from flce_policy.loss import FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.memory import predict_peak
 from flce_policy.plan.problem import Problem, checked_dtype
 from flce_policy.strategies import FixedChunkSize
 
-DEVICE = "cpu" if KERNELS_INTERPRETED else "cuda"
-pytestmark = pytest.mark.skipif(
-    DEVICE == "cuda" and not torch.cuda.is_available(),
-    reason="the kernels were compiled (TRITON_INTERPRET unset) and there is no CUDA GPU",
-)
+pytestmark = NEEDS_KERNEL_DEVICE
 
 BT, H, V = 12, 8, 11
 #: Targets whose class weights under ``linspace(-1, 1, V)`` sum to -3.8: a negative mean denominator.

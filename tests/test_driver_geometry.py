@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_loss_kernel import DEVICE, NEEDS_KERNEL_DEVICE
 
 from flce_policy.kernels import driver
-from flce_policy.kernels.ce_kernel import KERNELS_INTERPRETED
 from flce_policy.kernels.driver import CEParams, ChunkEvent, GradRequest, observe_chunks, run_geometry
 from flce_policy.loss import fused_linear_cross_entropy
 from flce_policy.plan.device import DeviceInfo
@@ -15,11 +15,7 @@ from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.problem import Problem
 from flce_policy.strategies import FixedChunkSize
 
-DEVICE = "cpu" if KERNELS_INTERPRETED else "cuda"
-pytestmark = pytest.mark.skipif(
-    DEVICE == "cuda" and not torch.cuda.is_available(),
-    reason="the kernels were compiled (TRITON_INTERPRET unset) and there is no CUDA GPU",
-)
+pytestmark = NEEDS_KERNEL_DEVICE
 
 BT, H, V = 19, 24, 131  # few rows (the interpreter runs a program per row): chunk sizes up to BT - 1 and BT
 ITEMSIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}

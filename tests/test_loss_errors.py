@@ -6,17 +6,14 @@ import math
 
 import pytest
 import torch
+from test_loss_kernel import DEVICE, NEEDS_KERNEL_DEVICE
 
 from flce_policy.kernels.ce_kernel import KERNELS_INTERPRETED
 from flce_policy.kernels.driver import observe_chunks
 from flce_policy.loss import FLCEOutput, FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
 from flce_policy.strategies import FixedChunkSize
 
-DEVICE = "cpu" if KERNELS_INTERPRETED else "cuda"
-pytestmark = pytest.mark.skipif(
-    DEVICE == "cuda" and not torch.cuda.is_available(),
-    reason="the kernels were compiled (TRITON_INTERPRET unset) and there is no CUDA GPU",
-)
+pytestmark = NEEDS_KERNEL_DEVICE
 
 BT, H, V = 5, 8, 11
 

@@ -23,10 +23,12 @@ from flce_policy.plan.problem import Problem
 from flce_policy.strategies import FixedChunkSize
 
 DEVICE = "cpu" if KERNELS_INTERPRETED else "cuda"
-pytestmark = pytest.mark.skipif(
+#: the kernels' tests: on CPU under the interpreter, compiled only where a CUDA GPU is
+NEEDS_KERNEL_DEVICE = pytest.mark.skipif(
     DEVICE == "cuda" and not torch.cuda.is_available(),
     reason="the kernels were compiled (TRITON_INTERPRET unset) and there is no CUDA GPU",
 )
+pytestmark = NEEDS_KERNEL_DEVICE
 
 BT, H, V = 13, 61, 509  # odd on purpose: BT=13 leaves a 5-row tail with chunks of 8 (few rows: the interpreter
 #: runs one program per row and launch, most of these tests' time)

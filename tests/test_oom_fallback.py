@@ -13,12 +13,12 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from test_loss_kernel import DEVICE, NEEDS_KERNEL_DEVICE
 
 from flce_policy import FLCEPolicy, OOMFallbackWarning, fused_linear_cross_entropy
 from flce_policy.call.autograd import FLCEFunction
 from flce_policy.call.options import LossOptions
 from flce_policy.engine.probe import device_for_tensor_device
-from flce_policy.kernels.ce_kernel import KERNELS_INTERPRETED
 from flce_policy.kernels.driver import CEParams, GradRequest, inject_oom, observe_chunks
 from flce_policy.kernels.resilient import run_with_oom_fallback
 from flce_policy.plan.geometry import Geometry
@@ -26,11 +26,7 @@ from flce_policy.plan.oom import OOMFallback
 from flce_policy.plan.problem import Problem
 from flce_policy.strategies import FixedChunkSize
 
-DEVICE = "cpu" if KERNELS_INTERPRETED else "cuda"
-pytestmark = pytest.mark.skipif(
-    DEVICE == "cuda" and not torch.cuda.is_available(),
-    reason="the kernels were compiled (TRITON_INTERPRET unset) and there is no CUDA GPU",
-)
+pytestmark = NEEDS_KERNEL_DEVICE
 HERE = device_for_tensor_device(DEVICE)  # the device the loss resolves (and remembers) for these tensors
 
 # Small: chunks of 16 rows are 3 (16, 16, 5), so chunk 1 is a middle one. The policy's floor is set

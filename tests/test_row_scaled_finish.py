@@ -13,17 +13,14 @@ import math
 
 import pytest
 import torch
-from test_loss_kernel import DEVICE
+from test_loss_kernel import DEVICE, NEEDS_KERNEL_DEVICE
 
 from flce_policy.kernels import row_scaled_finish as finish_module
 from flce_policy.kernels.ce_kernel import ce_workspace
 from flce_policy.kernels.weight_grad_filter import filter_scratch
 from flce_policy.plan.weight_filter import FILTER_COLS, KEPT_FLAG
 
-pytestmark = pytest.mark.skipif(
-    DEVICE == "cuda" and not torch.cuda.is_available(),
-    reason="the kernels were compiled (TRITON_INTERPRET unset) and there is no CUDA GPU",
-)
+pytestmark = NEEDS_KERNEL_DEVICE
 
 ROWS = 37
 IGNORE = -100

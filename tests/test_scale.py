@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_loss_kernel import DEVICE, NEEDS_KERNEL_DEVICE
 
 from flce_policy.kernels import scale as scale_module
-from flce_policy.kernels.ce_kernel import KERNELS_INTERPRETED
 from flce_policy.kernels.scale import scale_all_unless_one_, scale_unless_one_
 
-DEVICE = "cpu" if KERNELS_INTERPRETED else "cuda"
-pytestmark = pytest.mark.skipif(
-    DEVICE == "cuda" and not torch.cuda.is_available(),
-    reason="the kernels were compiled (TRITON_INTERPRET unset) and there is no CUDA GPU",
-)
+pytestmark = NEEDS_KERNEL_DEVICE
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_loss_kernel import DEVICE
+from test_loss_kernel import DEVICE, NEEDS_KERNEL_DEVICE
 
 from flce_policy import FLCEPolicy, fused_linear_cross_entropy
 from flce_policy.kernels.driver import inject_oom
@@ -22,10 +22,7 @@ from flce_policy.plan.oom import OOMFallbackWarning
 from flce_policy.plan.problem import Problem
 from flce_policy.strategies import HeuristicC, ScaledExp, StrategyError, strategy_from_config
 
-pytestmark = pytest.mark.skipif(
-    DEVICE == "cuda" and not torch.cuda.is_available(),
-    reason="the kernels were compiled (TRITON_INTERPRET unset) and there is no CUDA GPU",
-)
+pytestmark = NEEDS_KERNEL_DEVICE
 
 BT, H, V, CHUNK = 150, 64, 600, 64  # 3 row chunks (the last 22 rows), 3 column tiles of 256 (the last 88)
 #: bf16 gradients (relative L2) and loss (relative) against fp64

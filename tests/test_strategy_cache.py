@@ -8,20 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_loss_kernel import DEVICE, NEEDS_KERNEL_DEVICE
 
 from flce_policy import fused_linear_cross_entropy
 from flce_policy.engine import strategy_cache
-from flce_policy.kernels.ce_kernel import KERNELS_INTERPRETED
 from flce_policy.kernels.driver import observe_chunks
 from flce_policy.plan.device import DeviceInfo
 from flce_policy.plan.problem import Problem
 from flce_policy.strategies import ChunkStrategy, FixedChunkSize, StrategyError
 
-DEVICE = "cpu" if KERNELS_INTERPRETED else "cuda"
-pytestmark = pytest.mark.skipif(
-    DEVICE == "cuda" and not torch.cuda.is_available(),
-    reason="the kernels were compiled (TRITON_INTERPRET unset) and there is no CUDA GPU",
-)
+pytestmark = NEEDS_KERNEL_DEVICE
 H, V = 16, 37
 
 

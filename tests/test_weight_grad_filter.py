@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_loss_kernel import DEVICE, rel_err
+from test_loss_kernel import DEVICE, NEEDS_KERNEL_DEVICE, rel_err
 
 from flce_policy import fused_linear_cross_entropy
 from flce_policy.kernels import driver
@@ -21,10 +21,7 @@ from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.problem import Problem
 from flce_policy.plan.weight_filter import ALL_KEPT_COST, FILTER_COLS, FILTER_ROWS
 
-pytestmark = pytest.mark.skipif(
-    DEVICE == "cuda" and not torch.cuda.is_available(),
-    reason="the kernels were compiled (TRITON_INTERPRET unset) and there is no CUDA GPU",
-)
+pytestmark = NEEDS_KERNEL_DEVICE
 
 BT, H, V = 100, 61, 509  # 2 row chunks of 64 (the last 36 rows), 4 flag columns (the last 125 wide)
 #: tiles per row chunk of the default geometry (64 and 36 rows, 4 column blocks): 8 and 8 at 32-row tiles

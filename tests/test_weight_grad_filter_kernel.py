@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_loss_kernel import DEVICE, rel_err
+from test_loss_kernel import DEVICE, NEEDS_KERNEL_DEVICE, rel_err
 
 from flce_policy.kernels.tma import tma_tensors
 from flce_policy.kernels.weight_grad_filter import filter_scratch, filtered_weight_grad, flag_tiles, observe_tiles
 from flce_policy.plan.weight_filter import FILTER_COLS, FILTER_ROWS, KEPT_FLAG, RESCUE_HASH
 
-pytestmark = pytest.mark.skipif(
-    DEVICE == "cuda" and not torch.cuda.is_available(),
-    reason="the kernels were compiled (TRITON_INTERPRET unset) and there is no CUDA GPU",
-)
+pytestmark = NEEDS_KERNEL_DEVICE
 
 ROWS = 150  # row tiles of 32 rows, the last 22 (FILTER_ROWS 32)
 #: fp32 accumulation of bf16 products against fp64

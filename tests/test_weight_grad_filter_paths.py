@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_loss_kernel import DEVICE, rel_err
+from test_loss_kernel import DEVICE, NEEDS_KERNEL_DEVICE, rel_err
 from test_weight_grad_filter import (
     BF16_TOL,
     BT,
@@ -27,10 +27,7 @@ from flce_policy.plan.accumulator import accumulator_layout
 from flce_policy.plan.oom import OOMFallbackWarning
 from flce_policy.plan.weight_filter import FILTER_ROWS
 
-pytestmark = pytest.mark.skipif(
-    DEVICE == "cuda" and not torch.cuda.is_available(),
-    reason="the kernels were compiled (TRITON_INTERPRET unset) and there is no CUDA GPU",
-)
+pytestmark = NEEDS_KERNEL_DEVICE
 
 
 @pytest.mark.parametrize("chunk", [64, BT])  # two row chunks, and one

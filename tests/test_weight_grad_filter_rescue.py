@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_loss_kernel import DEVICE, rel_err
+from test_loss_kernel import NEEDS_KERNEL_DEVICE, rel_err
 from test_weight_grad_filter import (
     BT,
     EPS,
@@ -26,10 +26,7 @@ from flce_policy import Geometry, Problem, fused_linear_cross_entropy
 from flce_policy.kernels.weight_grad_filter import observe_tiles
 from flce_policy.plan.weight_filter import FILTER_COLS, FILTER_ROWS
 
-pytestmark = pytest.mark.skipif(
-    DEVICE == "cuda" and not torch.cuda.is_available(),
-    reason="the kernels were compiled (TRITON_INTERPRET unset) and there is no CUDA GPU",
-)
+pytestmark = NEEDS_KERNEL_DEVICE
 
 
 def tile_levels(deviation: torch.Tensor, eps: float) -> torch.Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_loss_kernel import DEVICE, rel_err
+from test_loss_kernel import NEEDS_KERNEL_DEVICE, rel_err
 from test_weight_grad_filter import (
     CHUNK_TILES,
     FLAT_EPS,
@@ -32,10 +32,7 @@ from flce_policy.plan import weight_filter
 from flce_policy.plan.weight_filter import FILTER_REST_CALLS, FilterRest
 from flce_policy.strategies import FixedChunkSize
 
-pytestmark = pytest.mark.skipif(
-    DEVICE == "cuda" and not torch.cuda.is_available(),
-    reason="the kernels were compiled (TRITON_INTERPRET unset) and there is no CUDA GPU",
-)
+pytestmark = NEEDS_KERNEL_DEVICE
 
 #: the rest in these tests (the packaged one is FILTER_REST_CALLS): two calls keep them short
 REST = 2
