@@ -70,6 +70,8 @@ FIXED_FAMILIES = {
     "scaled_exp_rows": "ours fixed scaled-exp rows",
     "scaled_exp_ws": "ours fixed scaled-exp ws",
 }
+#: The family of the fixed-chunk rows in the form the engine chooses.
+AUTO_FAMILY = "ours fixed auto"
 #: The peak limit of the lean Fastest row: under liger-kernel fp32 (8.20 GiB at 32768x5376x262144)
 #: by 5 GiB, and within it the two bf16 gradients (2.95 GiB there) and a 256 MiB slab.
 LEAN_PEAK = "3276MiB"
@@ -222,29 +224,37 @@ def eager(inputs: Inputs) -> LossFn:
     return lambda x, w: F.cross_entropy((x @ w.t()).float(), inputs.target)
 
 
-def _fixed_strategy(chunk: int | None, tokens: int, slab_form: str = "logits") -> ChunkStrategy:
-    """FixedChunkSize(chunk), or one chunk of all ``tokens`` rows when ``chunk`` is None; on the scaled-exp
-    slab with ``slab_form="scaled_exp"`` (``"scaled_exp_rows"``: its row-scaled form)."""
+def _fixed_strategy(chunk: int | None, tokens: int) -> ChunkStrategy:
+    """FixedChunkSize(chunk), or one chunk of all ``tokens`` rows when ``chunk`` is None."""
     from flce_policy.strategies import FixedChunkSize
-    from flce_policy.strategies.scaled_exp import on_slab_form
 
-    return on_slab_form(FixedChunkSize(chunk or tokens), slab_form)
-
-
-def _fixed_for_inputs(chunk: int | None, slab_form: str, inputs: Inputs) -> ChunkStrategy:
-    return _fixed_strategy(chunk, inputs.shape[0], slab_form)
+    return FixedChunkSize(chunk or tokens)
 
 
-def _fixed_plan(chunk: int | None, slab_form: str, problem: Problem, device: DeviceInfo) -> Geometry:
-    return _fixed_strategy(chunk, problem.tokens, slab_form).geometry(problem, device)
+def _fixed_for_inputs(chunk: int | None, slab_form: str | None, inputs: Inputs) -> Any:
+    """The fixed chunk in ``slab_form`` (pinned, where it runs; None: the form the engine chooses)."""
+    from flce_policy import FLCEPolicy
+
+    strategy = _fixed_strategy(chunk, inputs.shape[0])
+    return strategy if slab_form is None else FLCEPolicy(default=strategy, slab_form=slab_form)
 
 
-def fixed_chunk_methods(chunk_sizes: tuple[int, ...], accum: str, slab_form: str = "logits") -> list[Method]:
-    """Our loss at each of ``chunk_sizes`` and at one chunk of all rows, on ``slab_form``'s slab, with ``accum``'s
-    grad_weight accumulation: the rows ``ours_chunk{N}_{accum}`` / ``ours_one_chunk_{accum}`` (family
-    ``ours fixed``), or ``ours_scaled_exp_chunk{N}_{accum}`` ... (family ``ours fixed scaled-exp``), or
-    ``ours_scaled_exp_rows_chunk{N}_{accum}`` ... (``ours fixed scaled-exp rows``)."""
-    family, prefix = FIXED_FAMILIES[slab_form], "ours_" if slab_form == "logits" else f"ours_{slab_form}_"
+def _fixed_plan(chunk: int | None, slab_form: str | None, problem: Problem, device: DeviceInfo) -> Geometry:
+    from flce_policy.engine.planned import planned_geometry
+
+    return planned_geometry(_fixed_strategy(chunk, problem.tokens), problem, device, slab_form=slab_form)
+
+
+def fixed_chunk_methods(chunk_sizes: tuple[int, ...], accum: str, slab_form: str | None = "logits") -> list[Method]:
+    """Our loss at each of ``chunk_sizes`` and at one chunk of all rows, on ``slab_form``'s slab (pinned), with
+    ``accum``'s grad_weight accumulation: the rows ``ours_chunk{N}_{accum}`` / ``ours_one_chunk_{accum}`` (family
+    ``ours fixed``), or ``ours_scaled_exp_chunk{N}_{accum}`` ... (family ``ours fixed scaled-exp``), and so on
+    (:data:`FIXED_FAMILIES`); with ``slab_form=None`` ``ours_auto_chunk{N}_{accum}`` ..., the form the engine
+    chooses for those rows (family ``ours fixed auto``)."""
+    if slab_form is None:
+        family, prefix = AUTO_FAMILY, "ours_auto_"
+    else:
+        family, prefix = FIXED_FAMILIES[slab_form], "ours_" if slab_form == "logits" else f"ours_{slab_form}_"
     methods = []
     for chunk in (*chunk_sizes, None):
         label = "one_chunk" if chunk is None else f"chunk{chunk}"
@@ -332,6 +342,9 @@ def default_methods(
                     plan=HeuristicC(c).geometry,  # Liger's chunk rule, reproduced by HeuristicC
                 )
             )
+    # the same rows on the other slab forms (bf16): where the forms cross over, and the engine's choice among them
+    for form in ("scaled_exp_rows", "scaled_exp_ws", None):
+        methods += fixed_chunk_methods(chunk_sizes, "bf16", form)
     # Vocab-tiled, one row chunk: each grad_weight slice written once (fp32-accurate, bf16 memory).
     for vocab_chunk in vocab_chunks:
         methods.append(

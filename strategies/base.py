@@ -48,6 +48,12 @@ class ChunkStrategy(ABC):
     def validate_params(self) -> None:  # noqa: B027 - optional hook, not abstract
         """Raise :class:`StrategyError` if a parameter is invalid. Called before any geometry."""
 
+    def decides_slab_form(self) -> bool:
+        """True when the strategy's geometries carry a slab form it chose (:class:`ScaledExp`, :class:`Fastest`).
+        Otherwise the engine runs its rows in the fastest form the GPU and the call can run
+        (:mod:`flce_policy.plan.form_choice`), unless a rule or the call pins one."""
+        return False
+
     def planned_accum_dtype(self) -> str | None:
         """The grad_weight accumulator the strategy plans for ("float32"); None = the weight dtype.
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from flce_policy.plan.cost_model import DeviceRates, predict_seconds, rates_for
 from flce_policy.plan.device import DeviceInfo
+from flce_policy.plan.form_choice import slab_form_candidates
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.memory import predict_peak
 from flce_policy.plan.problem import Problem
@@ -35,10 +36,11 @@ class Fastest(ChunkStrategy):
     Candidates: power-of-two row chunks (and all BT rows) over the whole vocabulary, and the same
     row chunks over power-of-two vocab tiles (>= 1024 columns); with ``chunk_multiple=N`` also the largest
     multiple of N rows over the whole vocabulary within the limits (a peak limit rarely falls on a power of
-    two). ``slab_form`` is the slab the whole-vocabulary candidates are planned and priced on, where the problem
-    and the GPU run it (:func:`flce_policy.plan.scaled_exp.runnable_slab_form`; vocab tiles run the logits slab):
-    the scaled-exp forms' partials and the row-scaled form's scaled x_c count in the peak, and their fewer
-    passes over the slab in the time. ``accum`` is the grad_weight
+    two). Each whole-vocabulary candidate comes in every slab form the problem and the GPU run
+    (:func:`flce_policy.plan.form_choice.slab_form_candidates`), or in ``slab_form`` alone where given (where it
+    runs: :func:`flce_policy.plan.scaled_exp.runnable_slab_form`); vocab tiles run the logits slab. The
+    scaled-exp forms' partials and the row-scaled form's scaled x_c count in the peak, and their fewer passes
+    over the slab in the time. ``accum`` is the grad_weight
     accumulation planned, and the geometry carries it to the loss: "bf16" (the weight dtype) or
     "fp32" (fp32-accurate weight gradients; an fp32 buffer, except that one row chunk writes each
     slice once and needs none, which the model accounts for). ``rates`` overrides the
@@ -54,7 +56,7 @@ class Fastest(ChunkStrategy):
         accum: str = "bf16",
         max_peak: int | str | ChunkStrategy | dict[str, Any] | None = None,
         rates: dict[str, float] | None = None,
-        slab_form: str = "logits",
+        slab_form: str | None = None,
         chunk_multiple: int | None = None,
     ) -> None:
         self.max_slab = max_slab
@@ -81,7 +83,7 @@ class Fastest(ChunkStrategy):
             raise StrategyError(f"fastest: accum must be 'bf16' or 'fp32', got {self.accum!r}", param="accum")
         if self.rates is not None:
             _checked_rates(self.rates)
-        if self.slab_form not in SLAB_FORMS:
+        if self.slab_form is not None and self.slab_form not in SLAB_FORMS:
             raise StrategyError(
                 f"fastest: slab_form must be one of {', '.join(SLAB_FORMS)}, got {self.slab_form!r}", param="slab_form"
             )
@@ -111,33 +113,37 @@ class Fastest(ChunkStrategy):
         accum_dtype, label = self.planned_accum_dtype(), repr(self)
         rows = sorted({*_powers_of_two(problem.tokens), problem.tokens})
         columns = [c for c in _powers_of_two(problem.vocab) if c >= _MIN_VOCAB_CHUNK and c < problem.vocab]
-        forms = {
-            vocab_chunk: runnable_slab_form(self.slab_form, problem, vocab_chunk, device or DeviceInfo.cpu())
-            for vocab_chunk in (problem.vocab, *columns)
-        }
+        device = device or DeviceInfo.cpu()
+        forms = {vocab_chunk: self._forms(problem, vocab_chunk, device) for vocab_chunk in (problem.vocab, *columns)}
 
-        def fitting(chunk: int, vocab_chunk: int) -> Geometry | None:
+        def fitting(chunk: int, vocab_chunk: int, form: str) -> Geometry | None:
             if chunk * vocab_chunk * problem.itemsize > limit:
                 return None
             geometry = Geometry.for_problem(
-                problem, chunk, vocab_chunk=vocab_chunk, accum_dtype=accum_dtype, strategy=label,
-                slab_form=forms[vocab_chunk],
-            )  # fmt: skip
+                problem, chunk, vocab_chunk=vocab_chunk, accum_dtype=accum_dtype, strategy=label, slab_form=form
+            )
             return geometry if peak_limit is None or predict_peak(geometry).total_bytes <= peak_limit else None
 
-        out = [g for chunk in rows for vocab_chunk in forms if (g := fitting(chunk, vocab_chunk)) is not None]
+        out = [
+            g
+            for chunk in rows
+            for vocab_chunk, chunk_forms in forms.items()
+            for form in chunk_forms
+            if (g := fitting(chunk, vocab_chunk, form)) is not None
+        ]
         if self.chunk_multiple is not None:
-            # the peak and the slab grow with the rows: bisect the largest multiple that fits
-            low, high = 0, problem.tokens // self.chunk_multiple
-            while low < high:
-                middle = (low + high + 1) // 2
-                if fitting(middle * self.chunk_multiple, problem.vocab) is not None:
-                    low = middle
-                else:
-                    high = middle - 1
-            largest = fitting(low * self.chunk_multiple, problem.vocab) if low else None
-            if largest is not None and largest.chunk_size not in {g.chunk_size for g in out if g.is_row_only}:
-                out.append(largest)
+            for form in forms[problem.vocab]:
+                # the peak and the slab grow with the rows: bisect the largest multiple that fits
+                low, high = 0, problem.tokens // self.chunk_multiple
+                while low < high:
+                    middle = (low + high + 1) // 2
+                    if fitting(middle * self.chunk_multiple, problem.vocab, form) is not None:
+                        low = middle
+                    else:
+                        high = middle - 1
+                largest = fitting(low * self.chunk_multiple, problem.vocab, form) if low else None
+                if largest is not None and largest not in out:
+                    out.append(largest)
         if not out:
             raise StrategyError(
                 f"fastest: no geometry of {problem.describe()} fits max_slab={self.max_slab!r}"
@@ -146,6 +152,16 @@ class Fastest(ChunkStrategy):
                 param="max_slab" if self.max_peak is None else "max_peak",
             )
         return out
+
+    def _forms(self, problem: Problem, vocab_chunk: int, device: DeviceInfo) -> list[str]:
+        """The slab forms a candidate in vocab tiles of ``vocab_chunk`` is priced on."""
+        if self.slab_form is not None:
+            return [runnable_slab_form(self.slab_form, problem, vocab_chunk, device)]
+        probe = Geometry.for_problem(problem, 1, vocab_chunk=vocab_chunk)
+        return [form for form, why_not in slab_form_candidates(probe, device).items() if why_not is None]
+
+    def decides_slab_form(self) -> bool:
+        return True  # its candidates are priced per form
 
     def planned_accum_dtype(self) -> str | None:
         return _ACCUMS[self.accum]

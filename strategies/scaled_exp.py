@@ -98,6 +98,9 @@ class ScaledExp(ChunkStrategy):
                     param=param,
                 )
 
+    def decides_slab_form(self) -> bool:
+        return True
+
     def _asks_ws(self, problem: Problem) -> bool:
         """Whether ``problem``'s head asks for the warp-specialised GEMM (its hidden size within the limit)."""
         return self.warp_specialised and (self.ws_max_hidden is None or problem.hidden <= self.ws_max_hidden)

@@ -212,7 +212,12 @@ def test_the_file_is_a_policy_for_this_family_with_the_packaged_default(tmp_path
     assert (rule.match, rule.strategy) == ("H200", SlabBudget("1GiB"))
     assert policy.resolve(Problem(*GEMMA), H200).chunk_size == 2048
     assert policy.resolve(Problem(*SMALL), H200).chunk_size == 4096
-    assert yaml.safe_load(text)["devices"][0] == {"match": "H200", "strategy": "slab_budget", "max_slab": "1GiB"}
+    assert yaml.safe_load(text)["devices"][0] == {
+        "match": "H200",
+        "slab_form": "logits",
+        "strategy": "slab_budget",
+        "max_slab": "1GiB",
+    }
 
 
 @pytest.mark.parametrize("problem", [Problem(*GEMMA), Problem(*SMALL)], ids=["gemma", "small"])
@@ -491,7 +496,9 @@ def test_json_reports_what_was_written_and_measured(tmp_path, capsys, monkeypatc
     written = FLCEPolicy.from_yaml(out)
     assert data["out"] == str(out)
     assert (
-        data["rule"] == written.rules[0].to_config() == {"match": "H200", "strategy": "slab_budget", "max_slab": "1GiB"}
+        data["rule"]
+        == written.rules[0].to_config()
+        == {"match": "H200", "slab_form": "logits", "strategy": "slab_budget", "max_slab": "1GiB"}
     )
     assert data["limits"] == {"max_peak": 5 * GIB, "max_slab": None}
     assert data["chosen_max_slab"] == GIB and data["within_tolerance"] is True

@@ -479,7 +479,7 @@ def _print_table(
         return
     master = f"; peak over a {master_dtype} master weight under autocast" if master_dtype else ""
     table = Table(title=f"{title}\n{problem.describe()}; policy {policy.source}{master}")
-    columns = ["GPU", "memory", "rule", "strategy", "chunk_size", "chunks", "slab"]
+    columns = ["GPU", "memory", "rule", "strategy", "chunk_size", "chunks", "slab", "form"]
     for column in columns + (["peak"] if baseline is None else ["packaged policy"]):
         table.add_column(column, justify="right" if column in ("chunk_size", "chunks", "slab", "peak") else "left")
     for device, row in zip(devices, rows, strict=True):
@@ -511,10 +511,12 @@ def _filter_text(row: dict[str, Any]) -> str:
 def _pick_cells(row: dict[str, Any]) -> list[str]:
     """chunk_size, chunks and slab of a decision row, or what stands in their place."""
     if "error" in row:
-        return ["error", "", row["error"]]
+        return ["error", "", row["error"], ""]
     if "at_call_time" in row:
-        return ["at call time", "", "from free memory"]
-    return [str(row["chunk_size"]), str(row["num_chunks"]), row["slab"]]
+        return ["at call time", "", "from free memory", "at call time"]
+    # the price list stays in `explain` on one device and in --json; the table says the form and the reason
+    form = f"{row['slab_form']}: {row['slab_form_reason'].split(' (')[0]}"
+    return [str(row["chunk_size"]), str(row["num_chunks"]), row["slab"], form]
 
 
 def _pick_text(row: dict[str, Any]) -> str:

@@ -298,6 +298,8 @@ def tuned_policy(
     rule = DeviceRule(
         rule_match(device),
         strategy or on_slab_form(SlabBudget(exact_size(choice.max_slab)), choice.slab_form),
+        # what was measured fastest: the logits slab stays pinned (the engine would otherwise choose the form)
+        slab_form="logits" if choice.slab_form == "logits" else None,
         grad_weight_filter=grad_weight_filter,
         grad_weight_filter_rescue=grad_weight_filter_rescue,
     )

@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 import yaml
 from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError, field_validator, model_validator
 
+from flce_policy.plan.form_choice import checked_slab_form
 from flce_policy.plan.units import parse_bytes
 from flce_policy.plan.weight_filter import check_rescue_has_filter, checked_filter_eps, checked_filter_rescue
 from flce_policy.strategies import ChunkStrategy, StrategyError, strategy_class, strategy_from_config
@@ -61,10 +62,11 @@ CONFIG_VERSION = 1
 MAX_NESTING = 32
 #: Keys a ``devices`` entry understands besides the parameters of its strategy.
 RULE_KEYS = (
-    "match", "min_total_memory", "max_total_memory", "strategy", "grad_weight_filter", "grad_weight_filter_rescue"
+    "match", "min_total_memory", "max_total_memory", "strategy", "grad_weight_filter", "grad_weight_filter_rescue",
+    "slab_form",
 )  # fmt: skip
 #: Keys ``default`` understands besides the parameters of its strategy.
-DEFAULT_KEYS = ("strategy", "grad_weight_filter", "grad_weight_filter_rescue")
+DEFAULT_KEYS = ("strategy", "grad_weight_filter", "grad_weight_filter_rescue", "slab_form")
 _TOP_KEYS = ("version", "oom_fallback", "min_chunk_size", "default", "devices")
 
 
@@ -88,6 +90,7 @@ class RuleConfig(NamedTuple):
     max_total_memory: int | str | None
     grad_weight_filter: float | None = None
     grad_weight_filter_rescue: int | None = None
+    slab_form: str | None = None
 
 
 class PolicyConfig(NamedTuple):
@@ -99,6 +102,7 @@ class PolicyConfig(NamedTuple):
     min_chunk_size: int | None = None
     default_grad_weight_filter: float | None = None
     default_grad_weight_filter_rescue: int | None = None
+    default_slab_form: str | None = None
 
 
 # --- the schema ----------------------------------------------------------------------------------
@@ -143,6 +147,12 @@ class _StrategyEntry(BaseModel):
     strategy: StrictStr
     grad_weight_filter: Any = None  # rule keys, not strategy parameters
     grad_weight_filter_rescue: Any = None
+    slab_form: Any = None
+
+    @field_validator("slab_form")
+    @classmethod
+    def _form(cls, value: Any) -> str | None:
+        return checked_slab_form(value, "slab_form")
 
     @field_validator("grad_weight_filter")
     @classmethod
@@ -209,12 +219,13 @@ def parse_config(data: Any, *, source: str = "<dict>") -> PolicyConfig:
     top = _validate(_TopLevel, data, (), problems)
     if top is None:
         raise ConfigError(source, problems)
-    default, default_filter = None, (None, None)
+    default, default_filter, default_form = None, (None, None), None
     if top.default is not None:
         entry = _validate(_StrategyEntry, top.default, ("default",), problems)
         if entry is not None:
             default = _build_strategy(entry, DEFAULT_KEYS, ("default",), problems)
             default_filter = (entry.grad_weight_filter, entry.grad_weight_filter_rescue)
+            default_form = _rule_pin(entry, default)
     rules: list[RuleConfig] = []
     for i, raw in enumerate(top.devices or []):
         loc = ("devices", i)
@@ -229,11 +240,19 @@ def parse_config(data: Any, *, source: str = "<dict>") -> PolicyConfig:
                     rule.max_total_memory,
                     rule.grad_weight_filter,
                     rule.grad_weight_filter_rescue,
+                    _rule_pin(rule, strategy),
                 )  # fmt: skip
             )
     if problems:
         raise ConfigError(source, problems)
-    return PolicyConfig(default, rules, top.oom_fallback, top.min_chunk_size, *default_filter)
+    return PolicyConfig(default, rules, top.oom_fallback, top.min_chunk_size, *default_filter, default_form)
+
+
+def _rule_pin(entry: _StrategyEntry, strategy: ChunkStrategy | None) -> str | None:
+    """The entry's ``slab_form`` as the rule's pin, unless its strategy took it as a parameter."""
+    if strategy is not None and "slab_form" in strategy.param_names():
+        return None
+    return entry.slab_form
 
 
 def _too_deep(data: Any) -> tuple | None:
@@ -280,7 +299,9 @@ def _build_strategy(
                     f"(it accepts: {', '.join(accepted) or 'none'})",
                 )
             )
-    for key in set(accepted) & set(own_keys):
+    if "slab_form" in accepted and entry.slab_form is not None:
+        params["slab_form"] = entry.slab_form  # a strategy that plans on a form (fastest) takes the pin as its own
+    for key in set(accepted) & set(own_keys) - {"slab_form"}:
         problems.append((_key_path(loc + ("strategy",)), f"strategy {name!r} has a parameter {key!r}, a rule key"))
     if len(problems) > before:
         return None

@@ -14,9 +14,11 @@ from typing import Any, NamedTuple
 import yaml
 
 from flce_policy.engine.config import CONFIG_VERSION, ConfigError, load_yaml_file, load_yaml_text, parse_config
+from flce_policy.engine.planned import form_choice, planned_geometry
 from flce_policy.plan.collectives import comm_plan
 from flce_policy.plan.cost_model import predict_seconds
 from flce_policy.plan.device import DeviceInfo
+from flce_policy.plan.form_choice import checked_slab_form
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.memory import gathered_head_bytes, predict_peak
 from flce_policy.plan.oom import DEFAULT_MIN_CHUNK_SIZE, OOMFallback
@@ -31,7 +33,7 @@ from flce_policy.plan.weight_filter import (
     checked_filter_eps,
     checked_filter_rescue,
 )
-from flce_policy.strategies import ChunkStrategy, HeuristicC, checked_geometry
+from flce_policy.strategies import ChunkStrategy, HeuristicC
 
 __all__ = ["CONFIG_ENV_VAR", "DEFAULT_RULE", "DeviceRule", "FLCEPolicy"]
 
@@ -57,9 +59,10 @@ class _AskEachCall(NamedTuple):
     ceiling: Geometry | None = None
     grad_weight_filter: float | None = None  # the rule's, set on every geometry the strategy answers
     grad_weight_filter_rescue: int | None = None
+    slab_form: str | None = None  # the rule's pin, if any
 
     def geometry(self, problem: Problem, device: DeviceInfo) -> Geometry:
-        geometry = checked_geometry(self.strategy, problem, device, rule=self.rule)
+        geometry = planned_geometry(self.strategy, problem, device, rule=self.rule, slab_form=self.slab_form)
         if self.ceiling is not None and geometry.chunk_size > self.ceiling.chunk_size:
             return self.ceiling
         return geometry.with_filter(self.grad_weight_filter, self.grad_weight_filter_rescue)
@@ -75,7 +78,9 @@ class DeviceRule:
     Memory bounds are bytes or strings such as ``"200GiB"``, inclusive, kept as written.
     ``grad_weight_filter``: the eps of the grad_weight filter on those devices (None: dense), which a
     loss call's own ``grad_weight_filter`` overrides (flce_policy.plan.weight_filter); ``grad_weight_filter_rescue``
-    its rescue N (needs the eps; the call's keyword overrides it too).
+    its rescue N (needs the eps; the call's keyword overrides it too). ``slab_form``: pins the slab form on those
+    devices (one of :data:`~flce_policy.plan.scaled_exp.SLAB_FORMS`; None: the fastest the GPU runs,
+    :mod:`flce_policy.plan.form_choice`), which a loss call's own ``slab_form`` overrides.
     """
 
     match: str
@@ -84,8 +89,10 @@ class DeviceRule:
     max_total_memory: int | str | None = field(default=None, kw_only=True)
     grad_weight_filter: float | None = field(default=None, kw_only=True)
     grad_weight_filter_rescue: int | None = field(default=None, kw_only=True)
+    slab_form: str | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
+        checked_slab_form(self.slab_form, "DeviceRule.slab_form")
         if not isinstance(self.match, str) or not self.match.strip():
             raise ValueError(f"DeviceRule.match must be a non-empty family or glob, got {self.match!r}")
         if not isinstance(self.strategy, ChunkStrategy):
@@ -130,7 +137,13 @@ class DeviceRule:
     def to_config(self) -> dict[str, Any]:
         """The YAML ``devices`` entry: rule keys, then ``strategy`` and its parameters."""
         entry: dict[str, Any] = {"match": self.match}
-        for key in ("min_total_memory", "max_total_memory", "grad_weight_filter", "grad_weight_filter_rescue"):
+        for key in (
+            "min_total_memory",
+            "max_total_memory",
+            "grad_weight_filter",
+            "grad_weight_filter_rescue",
+            "slab_form",
+        ):
             if getattr(self, key) is not None:
                 entry[key] = getattr(self, key)
         return {**entry, **self.strategy.to_config()}
@@ -160,7 +173,9 @@ class FLCEPolicy:
         min_chunk_size: int = DEFAULT_MIN_CHUNK_SIZE,
         grad_weight_filter: float | None = None,
         grad_weight_filter_rescue: int | None = None,
+        slab_form: str | None = None,
     ) -> None:
+        self.default_slab_form = checked_slab_form(slab_form, "FLCEPolicy: slab_form")
         self.default_grad_weight_filter = checked_filter_eps(grad_weight_filter)
         self.default_grad_weight_filter_rescue = checked_filter_rescue(grad_weight_filter_rescue)
         check_rescue_has_filter(self.default_grad_weight_filter, self.default_grad_weight_filter_rescue, "FLCEPolicy: ")
@@ -199,6 +214,7 @@ class FLCEPolicy:
             DeviceRule(
                 r.match, r.strategy, min_total_memory=r.min_total_memory, max_total_memory=r.max_total_memory,
                 grad_weight_filter=r.grad_weight_filter, grad_weight_filter_rescue=r.grad_weight_filter_rescue,
+                slab_form=r.slab_form,
             )
             for r in config.rules
         ]  # fmt: skip
@@ -208,6 +224,7 @@ class FLCEPolicy:
             "min_chunk_size": config.min_chunk_size,
             "grad_weight_filter": config.default_grad_weight_filter,
             "grad_weight_filter_rescue": config.default_grad_weight_filter_rescue,
+            "slab_form": config.default_slab_form,
         }
         settings = {key: value for key, value in given.items() if value is not None}
         return cls(default=config.default, rules=rules, source=source, **settings)
@@ -251,6 +268,7 @@ class FLCEPolicy:
             "default": {
                 **self.default_strategy.to_config(),
                 **_filter_entry(self.default_grad_weight_filter, self.default_grad_weight_filter_rescue),
+                **({} if self.default_slab_form is None else {"slab_form": self.default_slab_form}),
             },
             "devices": [rule.to_config() for rule in self.rules],
         }
@@ -277,6 +295,11 @@ class FLCEPolicy:
     def grad_weight_filter_rescue_for(self, device: DeviceInfo) -> int | None:
         """The grad_weight filter rescue N of the rule that applies to ``device`` (None: none)."""
         return self._filter_for(device)[1]
+
+    def slab_form_for(self, device: DeviceInfo) -> str | None:
+        """The slab form the rule that applies to ``device`` pins (None: the engine's choice)."""
+        _, rule = self._matching_rule(device)
+        return self.default_slab_form if rule is None else rule.slab_form
 
     def _filter_for(self, device: DeviceInfo) -> tuple[float | None, int | None]:
         """The grad_weight filter eps and rescue of the rule that applies to ``device``."""
@@ -310,10 +333,11 @@ class FLCEPolicy:
             _check_resolve_args(problem, device)
             rule, strategy = self.resolve_rule(device)
             eps, rescue = self._filter_for(device)
+            pin = self.slab_form_for(device)
             entry = (
-                _AskEachCall(rule, strategy, grad_weight_filter=eps, grad_weight_filter_rescue=rescue)
+                _AskEachCall(rule, strategy, grad_weight_filter=eps, grad_weight_filter_rescue=rescue, slab_form=pin)
                 if strategy.dynamic
-                else checked_geometry(strategy, problem, device, rule=rule).with_filter(eps, rescue)
+                else planned_geometry(strategy, problem, device, rule=rule, slab_form=pin).with_filter(eps, rescue)
             )
             self._store(key, entry)
         if type(entry) is _AskEachCall:
@@ -333,7 +357,8 @@ class FLCEPolicy:
         rule, strategy = self.resolve_rule(device)
         eps, rescue = self._filter_for(device)
         geometry = geometry.with_filter(eps, rescue)
-        entry = _AskEachCall(rule, strategy, geometry, eps, rescue) if strategy.dynamic else geometry
+        pin = self.slab_form_for(device)
+        entry = _AskEachCall(rule, strategy, geometry, eps, rescue, pin) if strategy.dynamic else geometry
         self._store((problem, device), entry)
 
     def oom_fallback_for(self, problem: Problem, device: DeviceInfo) -> OOMFallback | None:
@@ -388,6 +413,9 @@ class FLCEPolicy:
         geometry = self.resolve(problem, device)
         _, strategy = self.resolve_rule(device)
         accum_dtype = geometry.accum_dtype
+        # the form as the engine chose it for the strategy's rows (a strategy that chose none: from the logits slab)
+        asked = geometry if strategy.decides_slab_form() else geometry.with_slab_form("logits")
+        form_reason = form_choice(strategy, asked, device, self.slab_form_for(device)).reason
         peak = predict_peak(geometry, master_dtype=master_dtype)
         rates = strategy.planned_rates(device)
         predicted = predict_seconds(geometry, rates)
@@ -428,6 +456,7 @@ class FLCEPolicy:
             "grad_weight_filter": geometry.grad_weight_filter,
             "grad_weight_filter_rescue": geometry.grad_weight_filter_rescue,
             "slab_form": geometry.slab_form,
+            "slab_form_reason": form_reason,
             **_filter_times(geometry, rates),
             **tp,
         }
@@ -469,6 +498,7 @@ class FLCEPolicy:
                 f"{d['slab']} per chunk = {d['chunk_size']} x {d['vocab_chunk']} x {problem.itemsize} bytes"
                 + _slab_form_note(d["slab_form"]),
             ),
+            ("Form", f"{d['slab_form']}: {d['slab_form_reason']}"),
             ("Peak", f"{d['predicted_peak']}, predicted for fwd+bwd with x and W needing grad{accum}"),
             (
                 "Sharded W",
@@ -498,6 +528,7 @@ class FLCEPolicy:
             and (self.oom_fallback, self.min_chunk_size) == (other.oom_fallback, other.min_chunk_size)
             and self.default_grad_weight_filter == other.default_grad_weight_filter
             and self.default_grad_weight_filter_rescue == other.default_grad_weight_filter_rescue
+            and self.default_slab_form == other.default_slab_form
         )
 
     __hash__ = None  # type: ignore[assignment]  # equal by content, and the cache makes it mutable
@@ -507,7 +538,8 @@ class FLCEPolicy:
             f"FLCEPolicy(default={self.default_strategy!r}, rules={list(self.rules)!r}, "
             f"oom_fallback={self.oom_fallback!r}, min_chunk_size={self.min_chunk_size!r}, "
             f"grad_weight_filter={self.default_grad_weight_filter!r}, "
-            f"grad_weight_filter_rescue={self.default_grad_weight_filter_rescue!r}, source={self.source!r})"
+            f"grad_weight_filter_rescue={self.default_grad_weight_filter_rescue!r}, "
+            f"slab_form={self.default_slab_form!r}, source={self.source!r})"
         )
 
 

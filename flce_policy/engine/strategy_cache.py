@@ -13,10 +13,11 @@ without bound.
 
 from __future__ import annotations
 
+from flce_policy.engine.planned import planned_geometry
 from flce_policy.plan.device import DeviceInfo
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.problem import Problem
-from flce_policy.strategies import ChunkStrategy, checked_geometry
+from flce_policy.strategies import ChunkStrategy
 
 __all__ = ["strategy_geometry", "clear_strategy_cache"]
 
@@ -27,13 +28,14 @@ _cache: dict[tuple[type, str, Problem, DeviceInfo], Geometry] = {}
 
 
 def strategy_geometry(strategy: ChunkStrategy, problem: Problem, device: DeviceInfo) -> Geometry:
-    """``strategy.geometry(problem, device)``, asked once per parameters, problem and device unless dynamic."""
+    """``strategy``'s geometry in the form the engine gives it (:func:`~flce_policy.engine.planned.planned_geometry`),
+    asked once per parameters, problem and device unless dynamic."""
     if strategy.dynamic:
-        return checked_geometry(strategy, problem, device)
+        return planned_geometry(strategy, problem, device)
     key = (type(strategy), strategy.params_key(), problem, device)
     geometry = _cache.get(key)
     if geometry is None:
-        geometry = checked_geometry(strategy, problem, device)  # an invalid strategy raises here, never stored
+        geometry = planned_geometry(strategy, problem, device)  # an invalid strategy raises here, never stored
         if len(_cache) >= _CACHE_LIMIT:
             _cache.clear()
         _cache[key] = geometry

@@ -1,0 +1,120 @@
+"""Which slab form a geometry runs: the fastest the GPU and the problem can run, priced by the cost model.
+
+The strategy decides the rows; the form (:data:`flce_policy.plan.scaled_exp.SLAB_FORMS`) follows the GPU. The
+candidates, each where it can run:
+
+- ``"logits"``: everywhere (cuBLAS GEMMs and the CE passes over the logits);
+- ``"scaled_exp_rows"``: the scaled-exp slab (the logits GEMM's epilogue writes ``exp(z - z_y)`` per row) on a
+  GPU with TMA (Hopper or later), 16-bit logits, row-only, one rank, H and V multiples of 8; a call with a bias
+  or label smoothing runs its per-tile form (``row_scaled``);
+- ``"scaled_exp_ws"``: that with the warp-specialised Gluon GEMM, on sm_90 only, for heads up to
+  :func:`ws_max_hidden` of the GPU (above it the Triton GEMM's wider tiles win).
+
+:func:`choose_slab_form` prices each at the geometry's rows (:func:`flce_policy.plan.cost_model.predict_seconds`)
+and keeps the fastest; :func:`pinned_slab_form` runs a form a rule or a call names, or the next one down where it
+cannot run. Both say why.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from .cost_model import DeviceRates, predict_seconds
+from .device import TMA_COMPUTE_CAPABILITY, DeviceInfo
+from .geometry import Geometry
+from .scaled_exp import SLAB_FORMS, WS_COMPUTE_CAPABILITY, scaled_exp_unsupported
+
+__all__ = [
+    "checked_slab_form",
+    "FormChoice",
+    "WS_MAX_HIDDEN",
+    "choose_slab_form",
+    "pinned_slab_form",
+    "slab_form_candidates",
+    "ws_max_hidden",
+]
+
+#: The largest hidden size at which the warp-specialised GEMM beats the Triton GEMM, per GPU family (sm_90).
+#: H200: MEASURED, 0.990x -> 0.992x the floor at H=3072, slower from H=4096 (docs/results.md, "Slab forms").
+#: Every other Hopper: the H200's.
+WS_MAX_HIDDEN: dict[str, int] = {"H200": 3072}
+_WS_MAX_HIDDEN_DERIVED = 3072
+#: Ties (within a nanosecond) go to the form listed first.
+_PREFERENCE = ("scaled_exp_ws", "scaled_exp_rows", "logits")
+
+
+class FormChoice(NamedTuple):
+    """The slab form a geometry runs, and why (one line, for ``explain``)."""
+
+    slab_form: str
+    reason: str
+
+
+def ws_max_hidden(device: DeviceInfo) -> int:
+    """The largest hidden size that runs the warp-specialised GEMM on ``device``'s family."""
+    return WS_MAX_HIDDEN.get(device.family, _WS_MAX_HIDDEN_DERIVED)
+
+
+def _why_not_scaled_exp(geometry: Geometry, device: DeviceInfo) -> str | None:
+    capability = device.compute_capability
+    if capability is not None and capability < TMA_COMPUTE_CAPABILITY:
+        return f"sm_{capability[0]}{capability[1]} has no TMA (the scaled-exp GEMM needs Hopper or later)"
+    return scaled_exp_unsupported(geometry.problem, geometry.vocab_chunk)
+
+
+def _why_not_ws(geometry: Geometry, device: DeviceInfo) -> str | None:
+    capability = device.compute_capability
+    if capability is not None and capability != WS_COMPUTE_CAPABILITY:
+        return f"the warp-specialised GEMM is Hopper's (sm_90), not sm_{capability[0]}{capability[1]}"
+    limit = ws_max_hidden(device)
+    if geometry.problem.hidden > limit:
+        return f"H={geometry.problem.hidden} is above {limit}, where the warp-specialised GEMM stops winning"
+    return None
+
+
+def slab_form_candidates(geometry: Geometry, device: DeviceInfo) -> dict[str, str | None]:
+    """Each form, and None where ``geometry`` can run it on ``device``, else why not. A device of unknown
+    capability (planning on the CPU) is taken as able."""
+    scaled_exp = _why_not_scaled_exp(geometry, device)
+    return {
+        "scaled_exp_ws": scaled_exp or _why_not_ws(geometry, device),
+        "scaled_exp_rows": scaled_exp,
+        "logits": None,
+    }
+
+
+def choose_slab_form(geometry: Geometry, device: DeviceInfo, rates: DeviceRates) -> FormChoice:
+    """The fastest form ``geometry``'s rows can run on ``device`` at ``rates``, and why."""
+    candidates = slab_form_candidates(geometry, device)
+    runnable = [form for form in _PREFERENCE if candidates[form] is None]
+    if runnable == ["logits"]:
+        return FormChoice("logits", f"the only form that runs here: {candidates['scaled_exp_rows']}")
+    seconds = {form: predict_seconds(geometry.with_slab_form(form), rates).seconds for form in runnable}
+    best = min(runnable, key=lambda form: (round(seconds[form], 9), _PREFERENCE.index(form)))
+    priced = ", ".join(f"{form} {seconds[form] * 1e3:.3g} ms" for form in runnable)
+    return FormChoice(best, f"fastest predicted at {geometry.chunk_size} rows ({priced})")
+
+
+def pinned_slab_form(slab_form: str, geometry: Geometry, device: DeviceInfo) -> FormChoice:
+    """``slab_form`` where ``geometry`` can run it on ``device``, else the next form down that can, and why."""
+    checked_slab_form(slab_form, "slab_form")
+    if slab_form == "logits":
+        return FormChoice("logits", "pinned")
+    why_not = _why_not_scaled_exp(geometry, device)
+    if why_not is not None:
+        return FormChoice("logits", f"pinned {slab_form}, runs logits: {why_not}")
+    capability = device.compute_capability
+    if slab_form == "scaled_exp_ws" and capability is not None and capability != WS_COMPUTE_CAPABILITY:
+        # a pin keeps the warp-specialised GEMM at any hidden size; only a GPU without it moves down
+        return FormChoice(
+            "scaled_exp_rows", f"pinned scaled_exp_ws, runs scaled_exp_rows: {_why_not_ws(geometry, device)}"
+        )
+    return FormChoice(slab_form, "pinned")
+
+
+def checked_slab_form(slab_form: Any, what: str) -> str | None:
+    """``slab_form`` if None or one of :data:`~flce_policy.plan.scaled_exp.SLAB_FORMS`; else ValueError, naming
+    ``what``."""
+    if slab_form is not None and slab_form not in SLAB_FORMS:
+        raise ValueError(f"{what} must be one of {', '.join(SLAB_FORMS)} (or None), got {slab_form!r}")
+    return slab_form
