@@ -305,7 +305,7 @@ def scaled_exp_policy(policy: Any, *, rows: bool = False, warp_specialised: bool
 
 
 def default_methods(
-    chunk_sizes: tuple[int, ...] = (256, 512, 1024, 2048, 4096),
+    chunk_sizes: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192),
     *,
     policy: FLCEPolicy | None = None,
     vocab_chunks: tuple[int, ...] = (2048, 4096, 8192, 16384),

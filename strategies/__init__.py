@@ -10,6 +10,7 @@ if __name__ == "strategies":  # imported from the repository root: yield to an i
     hand_over(__name__, __path__[0])
 else:
     from .base import ChunkStrategy, StrategyError, checked_geometry
+    from .by_hidden import ByHidden
     from .fastest import Fastest
     from .fixed_chunk_size import FixedChunkSize
     from .free_memory import FreeMemory, NotEnoughFreeMemoryError
@@ -29,6 +30,7 @@ __all__ = [
     "NotEnoughFreeMemoryError",
     "Fastest",
     "ScaledExp",
+    "ByHidden",
     "BUILTIN_STRATEGIES",
     "strategy_class",
     "strategy_from_config",

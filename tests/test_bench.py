@@ -443,7 +443,7 @@ ALL_NAMES = [
         for accum in ("bf16", "fp32")
         for name in (
             f"ours_default_{accum}",
-            *(f"ours_chunk{n}_{accum}" for n in (256, 512, 1024, 2048, 4096)),
+            *(f"ours_chunk{n}_{accum}" for n in (256, 512, 1024, 2048, 4096, 8192)),
             f"ours_one_chunk_{accum}",
             f"liger_c1_{accum}",
             f"liger_c16_{accum}",
@@ -452,7 +452,7 @@ ALL_NAMES = [
     *(
         f"ours_{prefix}{label}_bf16"
         for prefix in ("scaled_exp_rows_", "scaled_exp_ws_", "auto_")
-        for label in (*(f"chunk{n}" for n in (256, 512, 1024, 2048, 4096)), "one_chunk")
+        for label in (*(f"chunk{n}" for n in (256, 512, 1024, 2048, 4096, 8192)), "one_chunk")
     ),
     *(f"ours_vtile{n}_bf16" for n in (2048, 4096, 8192, 16384)),
     *(f"ours_fastest{slab}_{accum}" for slab in ("256MiB", "1GiB", "4GiB") for accum in ("bf16", "fp32")),

@@ -86,6 +86,10 @@ class DeviceRates(NamedTuple):
     # cuBLAS's. MEASURED on the H200 alone at 4096-row chunks of four small heads: 0.958-0.977x cuBLAS's time
     # (results/2026-12-02-h200-session18/call1/gluon_rowsum_probe.log, full_t), taken as 1.0.
     ws_gemm_efficiency: float = 1.0
+    # What each chunk on the scaled-exp slab costs beyond the logits slab's, in seconds per element of [V, H]
+    # (its small chunks lose most where H and V are largest). MEASURED on the H100 with the efficiency above
+    # (docs/results.md, "Slab forms"); 0 where unmeasured.
+    scaled_exp_chunk_overhead: float = 0.0
 
 
 #: H200: CALIBRATED by :func:`fit_rates` on the fixed-chunk rows and floors of
@@ -101,7 +105,9 @@ def _derived(dense_tflops: float, hbm_tbs: float) -> DeviceRates:
 
 RATES: dict[str, DeviceRates] = {
     "H200": DeviceRates(_H200_FLOPS, _H200_BYTES),
-    "H100": _derived(989, 3.35),
+    # H100: DERIVED rates; the scaled-exp terms FITTED to its chunk-rows sweep of both forms at the nine bench shapes
+    # (docs/results.md, "Slab forms": the pick of 51 of 54 chunk sizes, 2% lost in all)
+    "H100": _derived(989, 3.35)._replace(scaled_exp_gemm_efficiency=0.92, scaled_exp_chunk_overhead=1e-13),
     "H800": _derived(989, 3.35),
     "GH200": _derived(989, 4.8),
     "H20": _derived(148, 4.0),
@@ -169,6 +175,9 @@ def predict_seconds(
         "gemm": (gemms - 1 if filtered else gemms) * one_gemm,
         # the scaled-exp slab's logits GEMM (its epilogue) over cuBLAS's
         "scaled_exp_epilogue": one_gemm * (1.0 / gemm_efficiency - 1.0) if scaled_exp else 0.0,
+        "scaled_exp_chunks": rates.scaled_exp_chunk_overhead * weight_elems * geometry.num_chunks
+        if scaled_exp
+        else 0.0,
         # the filtered grad_weight GEMM (where the kernel would be slower than cuBLAS, nearly every tile kept, the
         # dense GEMM runs instead), and its flags: one byte per row and 128 classes, written and read
         "grad_weight_filtered": one_gemm * (1.0 if dense else kept / rates.filtered_gemm_efficiency)

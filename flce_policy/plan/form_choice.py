@@ -35,9 +35,9 @@ __all__ = [
 ]
 
 #: The largest hidden size at which the warp-specialised GEMM beats the Triton GEMM, per GPU family (sm_90).
-#: H200: MEASURED, 0.990x -> 0.992x the floor at H=3072, slower from H=4096 (docs/results.md, "Slab forms").
-#: Every other Hopper: the H200's.
-WS_MAX_HIDDEN: dict[str, int] = {"H200": 3072}
+#: H200: MEASURED, 0.990x -> 0.992x the floor at H=3072, slower from H=4096. H100: MEASURED, 0 (never): slower than
+#: the Triton GEMM at 5 of the 6 small heads (docs/results.md, "Slab forms"). Every other Hopper: the H200's.
+WS_MAX_HIDDEN: dict[str, int] = {"H200": 3072, "H100": 0}
 _WS_MAX_HIDDEN_DERIVED = 3072
 #: Ties (within a nanosecond) go to the form listed first.
 _PREFERENCE = ("scaled_exp_ws", "scaled_exp_rows", "logits")
@@ -67,6 +67,8 @@ def _why_not_ws(geometry: Geometry, device: DeviceInfo) -> str | None:
     if capability is not None and capability != WS_COMPUTE_CAPABILITY:
         return f"the warp-specialised GEMM is Hopper's (sm_90), not sm_{capability[0]}{capability[1]}"
     limit = ws_max_hidden(device)
+    if limit == 0:
+        return f"the warp-specialised GEMM does not win on {device.family} (measured)"
     if geometry.problem.hidden > limit:
         return f"H={geometry.problem.hidden} is above {limit}, where the warp-specialised GEMM stops winning"
     return None
@@ -85,6 +87,9 @@ def slab_form_candidates(geometry: Geometry, device: DeviceInfo) -> dict[str, st
 
 def choose_slab_form(geometry: Geometry, device: DeviceInfo, rates: DeviceRates) -> FormChoice:
     """The fastest form ``geometry``'s rows can run on ``device`` at ``rates``, and why."""
+    if device.family == "cpu":
+        # no GPU: the kernels run in Triton's interpreter, for tests; a pin (or a strategy's form) runs another
+        return FormChoice("logits", "no GPU: the logits slab (a pinned form runs under the interpreter)")
     candidates = slab_form_candidates(geometry, device)
     runnable = [form for form in _PREFERENCE if candidates[form] is None]
     if runnable == ["logits"]:

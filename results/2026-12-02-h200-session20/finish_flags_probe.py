@@ -11,6 +11,7 @@ time over 20 launches on partials of random values, at 8192 rows x 1024 slots (V
   keeponly   only the kept bit stored (no levels: no log2, no ceil)
 Run: PYTHONPATH=/tmp/site python3 this.py /tmp/site/flce_policy/kernels/row_scaled_finish.py
 """
+
 import importlib.util, sys, collections
 import torch
 from flce_policy.kernels.ce_kernel import ce_workspace
@@ -22,7 +23,9 @@ codes = "codes = flag_codes(keep & live[None, :], log2_top, filter_log2_eps)"
 assert codes in src
 variants = {
     "filter": src,
-    "gm": src.replace(store, "tl.store(flags_ptr + groups.to(tl.int64)[:, None] * flag_row_stride + rows[None, :], codes, mask=mask)"),
+    "gm": src.replace(
+        store, "tl.store(flags_ptr + groups.to(tl.int64)[:, None] * flag_row_stride + rows[None, :], codes, mask=mask)"
+    ),
     "nostore": src.replace(store, store.replace("mask=mask)", "mask=mask & (rows < 0)[None, :])")),
     "keeponly": src.replace(codes, "codes = (keep & live[None, :]).to(tl.uint8)"),
 }
@@ -47,13 +50,26 @@ for rows, vocab in ((8192, 131072), (4096, 151936)):
     runs = {"nofilter": (mods["filter"], None)} | {k: (m, flags_gm if k == "gm" else flags_rm) for k, m in mods.items()}
     out = {}
     for k, (m, flags) in runs.items():
-        call = lambda: m.row_scaled_finish(target, loss_rows, ws, n_cols=vocab, ignore_index=-100, grad_scale=scale,
-                                           filter_flags=flags, filter_eps=2.0**-14)
-        call(); torch.cuda.synchronize()
+        call = lambda: m.row_scaled_finish(
+            target,
+            loss_rows,
+            ws,
+            n_cols=vocab,
+            ignore_index=-100,
+            grad_scale=scale,
+            filter_flags=flags,
+            filter_eps=2.0**-14,
+        )
+        call()
+        torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(20):
                 call()
             torch.cuda.synchronize()
-        t = [e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "finish" in e.name]
+        t = [
+            e.device_time
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA and "finish" in e.name
+        ]
         out[k] = sum(t) / len(t)
     print(f"== {rows} rows x {groups} slots: " + ", ".join(f"{k} {v:.1f} us" for k, v in out.items()), flush=True)

@@ -9,6 +9,7 @@ Per shape, default policy, random logits: per-kernel GPU time (profiler, 5 calls
   filt-maxima    2**-14 rescue 16 with the maxima not written (flags from stale values: timing only)
 Run: PYTHONPATH=/tmp/site python3 this.py
 """
+
 import collections
 import torch
 from flce_policy.benchmarks.methods import make_inputs, ours, _leaf_step
@@ -29,7 +30,12 @@ def patched(*args, **kwargs):
 
 driver.scaled_exp_logits = patched
 filtered = {"grad_weight_filter": 2.0**-14, "grad_weight_filter_rescue": 16}
-variants = {"dense": ({}, None), "dense+maxima": ({}, True), "filtered": (filtered, None), "filt-maxima": (filtered, False)}
+variants = {
+    "dense": ({}, None),
+    "dense+maxima": ({}, True),
+    "filtered": (filtered, None),
+    "filt-maxima": (filtered, False),
+}
 for shape in ((16384, 1024, 131072), (16384, 896, 151936)):
     inputs = make_inputs(*shape, logit_std=4.0)
     per = {}
@@ -40,7 +46,8 @@ for shape in ((16384, 1024, 131072), (16384, 896, 151936)):
             warm_up(step, 2)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
-                    torch.cuda._sleep(20_000_000); step()
+                    torch.cuda._sleep(20_000_000)
+                    step()
                 torch.cuda.synchronize()
             sums = collections.Counter()
             for e in prof.events():

@@ -11,6 +11,7 @@ imported from /tmp, timed alone on one 8192-row chunk (20 launches, median, inte
            is monotone in z)
   store    the tile sum stored as the "maxima" (no reduction: the store's cost alone)
 """
+
 import importlib.util, statistics, sys
 import torch
 
@@ -29,9 +30,14 @@ variants = {
         "            e16 = e.to(out_desc.dtype)\n"
         "            if HAS_MAXIMA:\n"
         "                gl.store(maxima_ptr + slot, gl.max(e16, axis=1).to(gl.float32), mask=row_ok)\n"
-        "            c_smem.store(e16)\n"),
-    "z_max": src.replace(exp_line, "            if HAS_MAXIMA:\n                zmax = gl.max(acc, axis=1)\n" + exp_line).replace(
-        cur, "                gl.store(maxima_ptr + slot, gl.exp2(gl.fma(zmax, gl.full([BLOCK_M], LOG2E, gl.float32, row_layout), -(shift * LOG2E))), mask=row_ok)\n"),
+        "            c_smem.store(e16)\n",
+    ),
+    "z_max": src.replace(
+        exp_line, "            if HAS_MAXIMA:\n                zmax = gl.max(acc, axis=1)\n" + exp_line
+    ).replace(
+        cur,
+        "                gl.store(maxima_ptr + slot, gl.exp2(gl.fma(zmax, gl.full([BLOCK_M], LOG2E, gl.float32, row_layout), -(shift * LOG2E))), mask=row_ok)\n",
+    ),
     "store": src.replace(cur, "                gl.store(maxima_ptr + slot, tile_sum, mask=row_ok)\n"),
 }
 mods = {}
@@ -47,7 +53,9 @@ for hidden, vocab in ((1024, 131072), (896, 151936), (2048, 128256)):
     n = 8192
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(n, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
-    w = (torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16, generator=g) * (4 / hidden**0.5)).to(torch.bfloat16)
+    w = (torch.randn(vocab, hidden, device="cuda", dtype=torch.bfloat16, generator=g) * (4 / hidden**0.5)).to(
+        torch.bfloat16
+    )
     slab = torch.empty(n, vocab, device="cuda", dtype=torch.bfloat16)
     shift = torch.zeros(n, device="cuda")
     tiles = -(-vocab // 128)
@@ -64,7 +72,10 @@ for hidden, vocab in ((1024, 131072), (896, 151936), (2048, 128256)):
     ref = results["e_max"]
     for k, r in results.items():
         diff = (r - ref).abs().max().item() if k != "store" else float("nan")
-        print(f"  {k}: max |maxima - e_max's| {diff:.3g} (relative {((r - ref).abs() / ref.clamp_min(1e-30)).max().item():.3g})", flush=True)
+        print(
+            f"  {k}: max |maxima - e_max's| {diff:.3g} (relative {((r - ref).abs() / ref.clamp_min(1e-30)).max().item():.3g})",
+            flush=True,
+        )
     times = {k: [] for k in runs}
     for _ in range(5):
         for k, (m, mx) in runs.items():
@@ -73,9 +84,14 @@ for hidden, vocab in ((1024, 131072), (896, 151936), (2048, 128256)):
             a.record()
             for _ in range(20):
                 m.launch_row_scaled_exp_gemm(x, w, slab, shift, sums, n, redo, mx)
-            b.record(); b.synchronize()
+            b.record()
+            b.synchronize()
             times[k].append(a.elapsed_time(b) / 20)
     base = statistics.median(times["none"])
-    print(f"== {n}x{hidden}x{vocab}: " + ", ".join(f"{k} {statistics.median(v):.3f} ms ({statistics.median(v) / base:.4f})" for k, v in times.items()), flush=True)
+    print(
+        f"== {n}x{hidden}x{vocab}: "
+        + ", ".join(f"{k} {statistics.median(v):.3f} ms ({statistics.median(v) / base:.4f})" for k, v in times.items()),
+        flush=True,
+    )
     del x, w, slab, sums, maxima
     torch.cuda.empty_cache()

@@ -8,6 +8,7 @@ dense-or-filtered choice fixed to dense without its read ("no_read"), medians; t
 the per-kernel-name GPU time (the sleep kernel left out), side by side.
 Run: PYTHONPATH=/tmp/site python3 this.py
 """
+
 import statistics, collections
 import torch
 from flce_policy.benchmarks.methods import make_inputs, ours, _leaf_step
@@ -29,20 +30,25 @@ for shape in ((16384, 1024, 131072), (16384, 896, 151936), (16384, 2048, 128256)
     inputs = make_inputs(*shape, logit_std=4.0)
     steps = {k: _leaf_step(inputs, ours(lambda i: policy, **o)(inputs)) for k, o in variants.items()}
     for k, s in steps.items():
-        patched(k); warm_up(s, 3)
+        patched(k)
+        warm_up(s, 3)
     times = collections.defaultdict(list)
     for _ in range(15):
         for k, s in steps.items():
-            patched(k); times[k].append(time_call(s, busy_start=True))
+            patched(k)
+            times[k].append(time_call(s, busy_start=True))
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"===== {shape}: " + ", ".join(f"{k} {m:.3f} ms ({m / med['dense']:.4f})" for k, m in med.items()), flush=True)
+    print(
+        f"===== {shape}: " + ", ".join(f"{k} {m:.3f} ms ({m / med['dense']:.4f})" for k, m in med.items()), flush=True
+    )
     per = {}
     for k, s in steps.items():
         patched(k)
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
-                torch.cuda._sleep(20_000_000); s()
+                torch.cuda._sleep(20_000_000)
+                s()
             torch.cuda.synchronize()
         sums = collections.Counter()
         for e in prof.events():

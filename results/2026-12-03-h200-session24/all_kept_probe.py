@@ -3,6 +3,7 @@
 (filtered_weight_grad, dense_fallback=False) with a share of its tiles kept, drawn uniformly, over cuBLAS's
 addmm of the same chunk; wide TMA (hidden a multiple of 256), narrow TMA (896) and pointer (x with an unaligned
 row stride). The kept share from which cuBLAS is faster is 1 / (time at 100% / cuBLAS) if the time is linear."""
+
 import os, torch, triton
 import flce_policy.kernels.weight_grad_filter as wgf
 from flce_policy.plan.weight_filter import ALL_KEPT_COST, FILTER_COLS, FILTER_ROWS, KEPT_FLAG
@@ -12,9 +13,18 @@ dev = "cuda" if CUDA else "cpu"
 gen = torch.Generator(device=dev).manual_seed(0)
 if CUDA:
     from triton.testing import do_bench
-    shapes = [(4096, 1024, 131072, False), (8192, 1024, 131072, False), (16384, 1024, 131072, False),
-              (4096, 896, 151936, False), (8192, 896, 151936, False), (4096, 2048, 151936, False),
-              (8192, 2048, 151936, False), (1152, 5376, 262144, False), (4096, 1024, 131072, True)]
+
+    shapes = [
+        (4096, 1024, 131072, False),
+        (8192, 1024, 131072, False),
+        (16384, 1024, 131072, False),
+        (4096, 896, 151936, False),
+        (8192, 896, 151936, False),
+        (4096, 2048, 151936, False),
+        (8192, 2048, 151936, False),
+        (1152, 5376, 262144, False),
+        (4096, 1024, 131072, True),
+    ]
     shares = (1.0, 0.9, 0.8, 0.5)
 else:
     shapes, shares = [(96, 64, 512, False), (96, 48, 384, True)], (1.0, 0.5)
@@ -46,8 +56,12 @@ for n, h, v, pointer in shapes:
         if not CUDA:
             line.append(f"kept {share:.0%}: err {err:.2e}")
             continue
-        t = min(do_bench(lambda: wgf.filtered_weight_grad(gw, g, x, scratch, first=False, dense_fallback=False),
-                         warmup=5, rep=60) for _ in range(3))
+        t = min(
+            do_bench(
+                lambda: wgf.filtered_weight_grad(gw, g, x, scratch, first=False, dense_fallback=False), warmup=5, rep=60
+            )
+            for _ in range(3)
+        )
         line.append(f"kept {share:.0%}: {t / t_ref:.3f} (err {err:.1e})")
     print(" | ".join(line), flush=True)
     del g, x, gw, ref, scratch

@@ -26,9 +26,26 @@ MAXL = 4
 
 
 @triton.jit
-def one_loop_kernel(grad_desc, x_desc, tiles_ptr, tile_stride, counts_ptr, ends_ptr, out_ptr, out_stride, n_cols,
-                    hidden, n_rows, MAX_LEVEL: tl.constexpr, LEVELS: tl.constexpr, XSTACK: tl.constexpr,
-                    BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+def one_loop_kernel(
+    grad_desc,
+    x_desc,
+    tiles_ptr,
+    tile_stride,
+    counts_ptr,
+    ends_ptr,
+    out_ptr,
+    out_stride,
+    n_cols,
+    hidden,
+    n_rows,
+    MAX_LEVEL: tl.constexpr,
+    LEVELS: tl.constexpr,
+    XSTACK: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+):
     pid_h = tl.program_id(0)
     pid_v = tl.program_id(1)
     kept = tl.load(counts_ptr + pid_v)
@@ -77,20 +94,62 @@ def run(kind, g, x, xs, out, tiles, counts, ends, rows, cols, bh, warps, stages)
     gd = TensorDescriptor.from_tensor(g, [rows, cols])
     if kind in ("levels", "flat"):
         wgf._listed_tma_kernel[grid](
-            gd, TensorDescriptor.from_tensor(x, [rows, bh]), tiles, tiles.stride(0), counts, ends, out, out.stride(0),
-            None, g.shape[1], hidden, MAX_LEVEL=MAXL if kind == "levels" else 0, FIRST=True, HAS_WEIGHT=True,
-            HAS_BIAS=False, IEEE=SMALL, BLOCK_V=cols, BLOCK_H=bh, BLOCK_K=rows, STAGES=stages, num_warps=warps,
-            num_stages=stages)
+            gd,
+            TensorDescriptor.from_tensor(x, [rows, bh]),
+            tiles,
+            tiles.stride(0),
+            counts,
+            ends,
+            out,
+            out.stride(0),
+            None,
+            g.shape[1],
+            hidden,
+            MAX_LEVEL=MAXL if kind == "levels" else 0,
+            FIRST=True,
+            HAS_WEIGHT=True,
+            HAS_BIAS=False,
+            IEEE=SMALL,
+            BLOCK_V=cols,
+            BLOCK_H=bh,
+            BLOCK_K=rows,
+            STAGES=stages,
+            num_warps=warps,
+            num_stages=stages,
+        )
         return
     if kind == "xstack":
         torch.mul(x.unsqueeze(0), xs_scale, out=xs.view(MAXL + 1, n, hidden))
     xd = TensorDescriptor.from_tensor(xs if kind == "xstack" else x, [rows, bh])
-    one_loop_kernel[grid](gd, xd, tiles, tiles.stride(0), counts, ends, out, out.stride(0), g.shape[1], hidden, n,
-                          MAX_LEVEL=MAXL, LEVELS=triton.next_power_of_2(MAXL), XSTACK=kind == "xstack", BLOCK_V=cols,
-                          BLOCK_H=bh, BLOCK_K=rows, STAGES=stages, num_warps=warps, num_stages=stages)
+    one_loop_kernel[grid](
+        gd,
+        xd,
+        tiles,
+        tiles.stride(0),
+        counts,
+        ends,
+        out,
+        out.stride(0),
+        g.shape[1],
+        hidden,
+        n,
+        MAX_LEVEL=MAXL,
+        LEVELS=triton.next_power_of_2(MAXL),
+        XSTACK=kind == "xstack",
+        BLOCK_V=cols,
+        BLOCK_H=bh,
+        BLOCK_K=rows,
+        STAGES=stages,
+        num_warps=warps,
+        num_stages=stages,
+    )
 
 
-n, hidden, vocab = (512, 64, 1024) if SMALL else (16384, int(sys.argv[1]) if len(sys.argv) > 1 else 1024, int(sys.argv[2]) if len(sys.argv) > 2 else 131072)
+n, hidden, vocab = (
+    (512, 64, 1024)
+    if SMALL
+    else (16384, int(sys.argv[1]) if len(sys.argv) > 1 else 1024, int(sys.argv[2]) if len(sys.argv) > 2 else 131072)
+)
 torch.manual_seed(0)
 g = (torch.randn(n, vocab, device=dev) * 0.01).to(DT)
 x = torch.randn(n, hidden, device=dev).to(DT)
@@ -132,6 +191,12 @@ for rows, kept_share, rescued_share in ((32, 0.19, 0.09), (64, 0.27, 0.12), (32,
             b.synchronize()
             times[k].append(a.elapsed_time(b) / 10)
     base = statistics.median(times["cublas"])
-    print(f"== {n}x{hidden}x{vocab} rows {rows} kept {kept_share} rescued {rescued_share}: cublas {base:.3f} ms | "
-          + " | ".join(f"{k} {statistics.median(v):.3f} ms ({statistics.median(v) / base:.3f})" for k, v in times.items()
-                       if k != "cublas"), flush=True)
+    print(
+        f"== {n}x{hidden}x{vocab} rows {rows} kept {kept_share} rescued {rescued_share}: cublas {base:.3f} ms | "
+        + " | ".join(
+            f"{k} {statistics.median(v):.3f} ms ({statistics.median(v) / base:.3f})"
+            for k, v in times.items()
+            if k != "cublas"
+        ),
+        flush=True,
+    )
