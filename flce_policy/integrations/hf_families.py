@@ -63,8 +63,10 @@ FAMILIES: dict[str, _Family] = {
     **dict.fromkeys(("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "phi3", "olmo2"), _PLAIN),
     "gemma": _PLAIN,
     "jetmoe": _PLAIN,  # its router loss coefficient is `aux_loss_coef`: its own forward adds it
-    # their text config sets a logit attribute that their own forward does not apply (transformers 5.24):
-    "aya_vision": _PLAIN,  # Cohere2's logit_scale
+    # Aya Vision's forward multiplies by its text config's logit_scale since transformers 5.25, not before: the
+    # family applies it where the forward reads it (logit_transform's `read`)
+    "aya_vision": _COHERE,
+    # their text config sets a logit attribute that their own forward does not apply (transformers 5.25):
     "cohere2_vision": _PLAIN,  # Cohere2's logit_scale
     "mpt": _PLAIN,  # logit_scale
     "minicpm3": _PLAIN,  # logits_scaling (it scales the hidden states before lm_head instead)
