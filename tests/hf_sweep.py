@@ -264,14 +264,18 @@ def _run(model_type: str) -> Outcome:
 
 
 #: a reason longer than this is cut (with an ellipsis): the table names the error, the sweep prints it whole
-REASON_CHARS = 160
+REASON_CHARS = 120
 
 
 def reason(detail: str) -> str:
-    """A non-matched outcome's detail as the table shows it: one line, the model's class name before
-    ``.forward`` said generically (so one refusal reads the same for every type it hits), cut to
-    :data:`REASON_CHARS`."""
-    text = re.sub(r"^(\w+: )\w+\.forward\b", r"\1its forward", " ".join(detail.split()))
+    """A non-matched outcome's detail as the table shows it: one line; of an error wrapping others (a config
+    validator's) the innermost, which names the cause; the model's class name before ``.forward`` said
+    generically (so one refusal reads the same for every type it hits); cut to :data:`REASON_CHARS`."""
+    text = " ".join(detail.split())
+    errors = list(re.finditer(r"\b\w+(?:Error|Exception): ", text))
+    if len(errors) > 1:
+        text = text[: errors[0].start()] + text[errors[-1].start() :]
+    text = re.sub(r"^(\w+: )\w+\.forward\b", r"\1its forward", text)
     if len(text) > REASON_CHARS:
         text = text[: REASON_CHARS - 1].rstrip() + "…"
     return text.replace("|", "\\|")
