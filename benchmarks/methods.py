@@ -59,9 +59,10 @@ _ACCUM_DTYPES: dict[str, torch.dtype | None] = {"bf16": None, "fp32": torch.floa
 #: The grad_weight filters benched: eps = 2^-12 and 2^-16 (issue 26's two), and two between them (the trade-off).
 FILTER_EXPONENTS = (12, 13, 14, 16)
 #: The rescued filters benched, (eps exponent, N): a skipped tile kept one in 2^L by its level L <= log2(N)
-#: (unbiased). Priced on the trained inputs (session 17, benchmarks/rescue_schemes.py): multiplied share / grad_weight
-#: error over the dense call's 26% / 1.25x, 32% / 1.13x, 39% / 1.06x, 48% / 1.03x, 24% / 1.34x. 2^-13.5: between
-#: 2^-13 (0.836x the floor at 1.14x the dense error on one chunk, session 22) and 2^-14 (0.860x at 1.07x).
+#: (unbiased). Priced on the trained inputs (H200, 2026-12-02, benchmarks/rescue_schemes.py): multiplied share /
+#: grad_weight error over the dense call's 26% / 1.25x, 32% / 1.13x, 39% / 1.06x, 48% / 1.03x, 24% / 1.34x. 2^-13.5:
+#: between 2^-13 (0.836x the floor at 1.14x the dense error on one chunk, results/2026-12-03-h200-trained-filters)
+#: and 2^-14 (0.860x at 1.07x).
 RESCUED_FILTERS = ((12, 16), (13, 16), (13.5, 16), (14, 16), (14, 4), (12, 256))
 #: The family of the fixed-chunk rows on each slab form (tune chooses among them).
 FIXED_FAMILIES = {
@@ -373,7 +374,7 @@ def default_methods(
             )
         )
     # Within Liger C=16's memory: the cost model's pick under the peak our memory model predicts for
-    # Liger's own chunk (it matches Liger's measured peak to 0.1 MB, results/2026-11-29-h200).
+    # Liger's own chunk (it matches Liger's measured peak to 0.1 MB, results/2026-11-29-h200-large-heads).
     within_liger = Fastest(max_slab="64GiB", max_peak=HeuristicC(16))
     # and on the row-scaled slab where it runs, its partials and scaled x_c in the peak: the largest multiple of
     # 128 rows under Liger's peak (a power of two under it is half Liger's chunk)

@@ -9,12 +9,13 @@ block per tile). A filter at ``eps`` keeps the tiles with ``m_t >= eps``;
 the others, per scheme:
 
 - ``skip``: dropped. The filter's error is the norm of the dropped tiles' sum (a bias: one masked GEMM per eps).
-- ``uniform N``: each kept with probability 1/N and counted N times (``grad_weight_filter_rescue=N`` up to session
-  16; not in the kernel since). Unbiased; independent draws, so the expected squared error is ``sum (N - 1) ||c_t||²``.
+- ``uniform N``: each kept with probability 1/N and counted N times (``grad_weight_filter_rescue=N`` until
+  2026-12-02; not in the kernel since). Unbiased; independent draws, so the expected squared error is
+  ``sum (N - 1) ||c_t||²``.
 - ``level K``: kept with probability 2^-L and counted 2^L times, L = min(K, max(1, ceil(log2(eps / m_t)))): the tiles
   just under eps, which carry most of the dropped mass, are kept often, the tiny ones rarely. Unbiased, exact in
   floating point; expected squared error ``sum (2^L - 1) ||c_t||²``. The kernel's rescue: ``grad_weight_filter_rescue
-  =2^K`` (session 17; its measured errors on the trained inputs within 3% of these predictions).
+  =2^K`` (since 2026-12-02; its measured errors on the trained inputs within 3% of these predictions).
 
 Each row gives the multiplied share of tiles (kept plus expected rescued: what the kernel's time follows), the
 filter's own error relative to ||grad_weight|| and, with the dense call's measured error ``dense_error``, the
@@ -54,7 +55,8 @@ class Scheme:
 
 #: the accuracy benchmark's row whose grad_weight error is the dense call's
 DENSE_METHOD = "ours_default_bf16"
-#: 2^-13.5: between the two settings that each met one of issue 26's goals on one chunk (session 22)
+#: 2^-13.5: between the two settings that each met one of issue 26's goals on one chunk
+#: (results/2026-12-03-h200-trained-filters)
 DEFAULT_EPS: tuple[float, ...] = (2.0**-11, 2.0**-12, 2.0**-13, 2.0**-13.5, 2.0**-14, 2.0**-16)
 DEFAULT_SCHEMES: tuple[Scheme, ...] = tuple(
     Scheme(eps, kind, arg)

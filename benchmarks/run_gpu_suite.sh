@@ -15,7 +15,7 @@
 # random logits, then the rescue schemes priced on those inputs (benchmarks/rescue_schemes.py); convergence: the model trained with grad_weight_filter off and on, alternating, CONVERGENCE_RUNS_PER_ARM (2) each,
 # CONVERGENCE_STEPS steps each, at CONVERGENCE_FILTER (default 2**-12), with CONVERGENCE_RESCUE's rescue if set)
 # Expects wheels in .whl/ (ours, built with `python -m build --wheel -o .whl`, plus the peers
-# liger-kernel and cut-cross-entropy, and pydantic's wheels where the machine lacks it: README's Notes); installs
+# liger-kernel and cut-cross-entropy, and pydantic's wheels where the machine lacks it: benchmarks/README.md); installs
 # them into /tmp/site and runs from outside the
 # checkout so the installed package (with its package-dir mapping) is what gets imported.
 set -uo pipefail
@@ -92,7 +92,7 @@ while [ $# -gt 0 ]; do
       # issue 26's rows (the floor always runs) on the trained model's held-out inputs, then on random
       # logits (std 4) of the same shape, where nothing is skippable; time and peak, then the errors. Rows
       # interleaved, each call behind a sleep kernel as in a training step: back to back, the floor alone moved
-      # 8% between two runs of one session (session 17)
+      # 8% between two runs an hour apart (H200, 2026-12-02)
       methods=(ours_default_bf16 ours_scaled_exp_bf16 'ours_filter*' liger_c16_bf16 'cce*')
       for inputs in trained random; do
         if [ "$inputs" = trained ]; then pick=(--inputs trained); else pick=(--shapes 16384x1024x131072); fi

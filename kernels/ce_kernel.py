@@ -52,7 +52,8 @@ __all__ = ["KERNELS_INTERPRETED", "CEWorkspace", "ce_finish", "ce_partial", "ce_
 #: Widest block a program loads at once (elements).
 MAX_BLOCK_V = 4096
 #: Programs (rows x segments) a chunk should give the GPU: many waves on 132 SMs (measured on H200:
-#: 256 rows x 262144 took 0.127 ms with 2048 programs, 0.123 ms with 8192; results/notes/tune256.log).
+#: 256 rows x 262144 took 0.127 ms with 2048 programs, 0.123 ms with 8192;
+#: results/2026-11-29-h200-kernels-and-calibration/tune256.log).
 TARGET_PROGRAMS = 8192
 #: Warps per program for blocks of >= 2048 elements (4 below).
 WIDE_BLOCK_WARPS = 8

@@ -142,8 +142,8 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
     for index in range(geometry.num_chunks):
         # once a chunk's flags kept so many tiles that its grad_weight ran the dense GEMM (little or nothing to skip:
         # random logits), the call's later chunks go dense without flags, which cost 2-3% of a chunk (the GEMM's row
-        # maxima, the finish's flag bytes; H200, results/2026-12-02-h200-session20/overhead_probe.log) that a chunk
-        # like it would not win back
+        # maxima, the finish's flag bytes; H200, results/2026-12-02-h200-filter-random-logits/overhead_probe.log) that
+        # a chunk like it would not win back
         chunk_scratch = scratch if flagging else None
         if _fault_hooks:
             before_chunk(geometry, index)

@@ -8,10 +8,10 @@ turn, so that one runs its epilogue (the exponentials, the row sums, the slab's 
 keeps the tensor cores busy.
 
 Measured on the H200 (Triton 3.6, 4096-row chunks, H x V = 896-2048 x 128k-262k), the GEMM alone: 0.958-0.977x the
-time of cuBLAS's plain bf16 GEMM (results/2026-12-02-h200-session18/call1/gluon_rowsum_probe.log, the ``full_t`` row;
-the kernel is its probe's, results/notes/2026-12-02-probes-for-session18/gluon_rowsum_probe.py.txt), where the
-Triton GEMM took 1.06-1.24x (call3/triton_partials_layout_probe.log); in the loss, 2.1-3.5% faster than the Triton
-form at five small heads (call4/heads.log).
+time of cuBLAS's plain bf16 GEMM (results/2026-12-02-h200-gluon-gemm/gluon_rowsum_probe.log, the ``full_t`` row;
+the kernel is its probe's, whose source that folder's README names), where the
+Triton GEMM took 1.06-1.24x (triton_partials_layout_probe.log there); in the loss, 2.1-3.5% faster than the Triton
+form at five small heads (heads.log there).
 
 Gluon is experimental and its names move between Triton releases: without it (or without its Hopper API)
 this module still imports, :func:`gluon_available` says False and :func:`row_scaled_exp_gemm` raises.

@@ -4,7 +4,7 @@ The row-scaled GEMMs (Triton's and the Gluon one) write each partial plane slot-
 ``s * slot_stride + r``, so that an epilogue's stores coalesce. Read one row at a time, as
 :func:`.ce_kernel.ce_finish` reads the per-tile form's row-major slots, every value is a sector of its own: at
 4096 rows and 1187 slots (128 columns of V=151936), 60 us per plane against 19 us for the same values row-major
-(H200, results/2026-12-02-h200-session19/call1/slot_read_probe.log). Here one program takes ``BLOCK_R`` rows and
+(H200, results/2026-12-02-h200-row-scaled-finish/slot_read_probe.log). Here one program takes ``BLOCK_R`` rows and
 walks their slots in ``[BLOCK_S, BLOCK_R]`` blocks, loaded along the rows.
 
 Per row (``m`` its shift, the target logit; ``+inf`` where ignored), as :func:`.ce_kernel.ce_finish` computes it
@@ -33,7 +33,7 @@ from .weight_grad_filter import eps_logs, flag_codes
 __all__ = ["row_scaled_finish"]
 
 #: (rows per program, slots per block, warps): 16 rows side by side are 64 bytes, two whole sectors per slot; 256
-#: programs at a 4096-row chunk. The best of 7 with the filter's flags (H200, results/2026-12-02-h200-session19/call4/
+#: programs at a 4096-row chunk. The best of 7 with the filter's flags (H200, results/2026-12-02-h200-row-scaled-finish/
 #: finish_launch_probe.log: 39 us at 4096 rows x 1187 slots, 76 us at 8192 x 1024, against 40 and 89 for (16, 128,
 #: 4)); without a filter all 7 took the host's launch time (28-30 us).
 _LAUNCH = (16, 256, 4)

@@ -186,7 +186,8 @@ def _scaled_exp_gemm_kernel(
             # are half a tile), in the smoothing planes, which the row-scaled form leaves unused; the CE finish flags
             # from them. Of the stored values, as the per-tile form's flags read the slab: the G the backward
             # multiplies, and in bf16 the cheaper reduction (the Gluon GEMM's maxima cost 1-2% of it over 3-8% from
-            # fp32 e, H200, results/2026-12-02-h200-session20/maxima_probe.log). A 128-column tile is one group.
+            # fp32 e, H200, results/2026-12-02-h200-filter-random-logits/maxima_probe.log). A 128-column tile is one
+            # group.
             if BLOCK_N == 2 * _FLAG_COLS:
                 lower_max, upper_max = tl.split(tl.max(tl.reshape(stored, (BLOCK_M, 2, BLOCK_N // 2)), axis=2))
                 tl.store(partials_ptr + 2 * plane + slot, lower_max.to(tl.float32), mask=row_ok)

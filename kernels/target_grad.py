@@ -4,7 +4,7 @@ With a scaled-exp slab the CE finish kernel writes ``coef_p * p`` (and the smoot
 target's ``-coef_y``, and keeps ``coef_y`` per row (:attr:`.row_partials.CEWorkspace.target_coef`). Rounded
 into the slab, that entry (``~ -1`` on a row whose target is not confident) carries most of a bf16
 gradient's error: 0.0035 of grad_input's 0.0039 at logit std 4, against 0.0005 when it is applied exactly
-(results/notes/2026-12-02-cpu-scaled-exp-numerics.log). After the chunk's grad_input GEMM:
+(results/2026-12-02-h200-scaled-exp/cpu-scaled-exp-numerics.log). After the chunk's grad_input GEMM:
 
 - ``grad_input[r] -= coef_y[r] * W[y_r]``, in fp32, rounded once;
 - into an fp32 grad_weight (an fp32 accumulator, an fp32 master's gradient): after its GEMM,

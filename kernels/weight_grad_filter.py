@@ -22,7 +22,7 @@ Three launches per chunk (and vocab tile):
    per tile):
    ``_listed_tma_kernel`` loads the listed tiles through TMA descriptors, the next tile's row read one
    iteration ahead, so the loads pipeline whatever the list: 1.01x cuBLAS's time with every tile kept,
-   0.31x with 18% kept (H200, results/notes/2026-12-01-h200-filter-probe-3.log). Where TMA cannot
+   0.31x with 18% kept (H200, results/2026-12-01-h200-filter-kernel-probes/filter-probe-3.log). Where TMA cannot
    run (a GPU before Hopper, strides or addresses not 16-byte aligned) ``_filtered_weight_grad_kernel``
    does, launched twice: a pointer-based loop over the list for the column blocks with at most
    ``DENSE_LOOP_MIN_KEPT`` of their row tiles kept, and a loop over every row tile (pointers stepped by
@@ -89,13 +89,13 @@ __all__ = [
 
 #: (grad_weight columns per program, warps, stages) of the pointer-based launches, dense loop (True) and
 #: listed loop (False), and of the TMA launch: the fastest of sweeps at 4096x1024x131072 on the H200
-#: (results/notes/2026-12-01-h200-filter-probe*; TMA: 256/8/4 is within 5% of the best at 18%, 50% and
+#: (results/2026-12-01-h200-filter-kernel-probes/; TMA: 256/8/4 is within 5% of the best at 18%, 50% and
 #: 100% of the tiles kept).
 _LAUNCHES = {True: (256, 8, 3), False: (128, 8, 3)}
 _TMA_LAUNCH = (256, 8, 4)
 #: The TMA launch where the hidden size is not a multiple of 256 (896 = 7 x 128): a 256-wide block would leave
 #: half of its last block idle. At 4096x896x151936 on the H200, 1.20x cuBLAS's time with every tile kept against
-#: 1.26x, 0.33x against 0.36x with 20% kept (results/2026-12-02-h200-session13/filter-final.log).
+#: 1.26x, 0.33x against 0.36x with 20% kept (results/2026-12-02-h200-filter-random-logits/filter-final.log).
 _TMA_LAUNCH_NARROW = (128, 4, 5)
 #: The rescue hash's constants as the flag kernel's arguments
 _HASH_ARGS = dict(
@@ -493,7 +493,7 @@ def _listed_tma_kernel(
         for level in range(MAX_LEVEL):
             level_end = tl.load(ends_ptr + pid_v * MAX_LEVEL + level)
             # a level without tiles skips its loop: an empty pipelined loop still costs its fill and drain (four
-            # of them 0.17 ms a call at 16384x1024x131072, H200; results/2026-12-03-h200-session22/rescue_probe)
+            # of them 0.17 ms a call at 16384x1024x131072, H200; results/2026-12-03-h200-filter-tiles/rescue_probe.log)
             if level_end > first_kept:
                 for i in tl.range(first_kept, level_end, num_stages=STAGES):
                     next_tile, acc, bias_acc = _tma_step(

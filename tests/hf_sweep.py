@@ -15,7 +15,8 @@ with the same weights runs HF's own loss. Outcomes:
   (text only, no images): the reason is listed;
 - ``FAILED``: anything else (a different loss, or a crash from inside the library).
 
-``python tests/hf_sweep.py`` prints the markdown table of docs/integrations.md;
+``python tests/hf_sweep.py`` prints the markdown table of docs/integrations.md (the matched types listed, the
+others grouped by reason);
 ``python tests/hf_sweep.py --write docs/integrations.md`` writes it there.
 """
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import re
 import sys
 import time
 import warnings
@@ -261,19 +263,45 @@ def _run(model_type: str) -> Outcome:
         return Outcome(model_type, "matched", f"loss {expected.loss.item():.4f}")
 
 
+#: a reason longer than this is cut (with an ellipsis): the table names the error, the sweep prints it whole
+REASON_CHARS = 120
+
+
+def reason(detail: str) -> str:
+    """A non-matched outcome's detail as the table shows it: one line; of an error wrapping others (a config
+    validator's) the innermost, which names the cause; the model's class name before ``.forward`` said
+    generically (so one refusal reads the same for every type it hits); cut to :data:`REASON_CHARS`."""
+    text = " ".join(detail.split())
+    errors = list(re.finditer(r"\b\w+(?:Error|Exception): ", text))
+    if len(errors) > 1:
+        text = text[: errors[0].start()] + text[errors[-1].start() :]
+    text = re.sub(r"^(\w+: )\w+\.forward\b", r"\1its forward", text)
+    if len(text) > REASON_CHARS:
+        text = text[: REASON_CHARS - 1].rstrip() + "…"
+    return text.replace("|", "\\|")
+
+
 def markdown(outcomes: list[Outcome]) -> str:
+    """The matched types in one list, then one table row per outcome and reason with every type it applies to."""
     counts = {s: sum(o.status == s for o in outcomes) for s in ("matched", "refused", "skipped", "FAILED")}
+    matched = [f"`{o.model_type}`" for o in outcomes if o.status == "matched"]
+    groups: dict[tuple[str, str], list[str]] = {}
+    for o in outcomes:
+        if o.status != "matched":
+            groups.setdefault((o.status, reason(o.detail)), []).append(f"`{o.model_type}`")
+    order = {"FAILED": 0, "refused": 1, "skipped": 2}
     lines = [
         f"Swept with transformers {transformers.__version__}, torch {torch.__version__} ("
         + ", ".join(f"{n} {s}" for s, n in counts.items())
         + f" of {len(outcomes)}).",
         "",
-        "| model type | outcome | detail |",
+        f"**matched** ({len(matched)}): " + ", ".join(matched) + ".",
+        "",
+        "| outcome | model types | reason |",
         "| --- | --- | --- |",
     ]
-    for o in outcomes:
-        detail = o.detail.replace("|", "\\|").replace("\n", " ")
-        lines.append(f"| `{o.model_type}` | {o.status} | {detail} |")
+    for (status, why), types in sorted(groups.items(), key=lambda item: (order[item[0][0]], item[1][0])):
+        lines.append(f"| {status} | {', '.join(types)} | {why} |")
     return "\n".join(lines)
 
 

@@ -300,7 +300,7 @@ def _check_figure(fig):
     [
         ("2026-11-29-h200-vocab-tiled", GEMMA),  # the picture: one shape, every method
         ("2026-11-29-h200-vocab-tiled", None),
-        ("2026-11-29-h200-run1", None),  # with CCE and eager
+        ("2026-11-29-h200-all-methods", None),  # with CCE and eager
     ],
 )
 def test_plot_keeps_everything_inside_and_labels_what_a_reader_looks_for(name, shape):

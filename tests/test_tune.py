@@ -408,7 +408,7 @@ def test_calibration_on_the_committed_h200_run_stays_near_the_table():
 
     from flce_policy.plan.cost_model import RATES
 
-    path = Path(__file__).resolve().parents[1] / "results/2026-11-29-h200/bench.json"
+    path = Path(__file__).resolve().parents[1] / "results/2026-11-29-h200-large-heads/bench.json"
     records = [Record.from_dict(r) for r in json.loads(path.read_text())["records"]]
     rates, worst = tune.calibrate(records, H200)
     assert rates.matmul_flops / RATES["H200"].matmul_flops == pytest.approx(1.0, abs=0.05)

@@ -1,6 +1,6 @@
 """Predicted fwd+bwd time of a geometry from GEMM FLOPs and HBM bytes against a device's rates.
 
-Terms (seconds), each traced to measurements on the H200 (results/notes/README.md):
+Terms (seconds), each traced to measurements on the H200 (results/2026-11-29-h200-kernels-and-calibration/README.md):
 
 - GEMMs: 3 (row-only) or 4 (vocab-tiled: logits twice) x ``2*BT*H*V`` FLOPs at ``matmul_flops``,
   the rate the three-GEMM floor itself reaches on large shapes;
@@ -74,8 +74,8 @@ class DeviceRates(NamedTuple):
     link_bytes_per_s: float = 3.0e11  # all-reduce bus bandwidth between the TP ranks (assumed, NVLink class)
     collective_latency_s: float = 2.5e-5  # one small all-reduce (assumed)
     # The filtered grad_weight kernel against cuBLAS's addmm, per kept tile and fixed. MEASURED on the H200 at one
-    # 8192x1024x131072 chunk (results/notes/2026-12-01-h200-filter-probe-4.log): 1.100x addmm's time with every
-    # tile kept, 0.248x with 17.9% kept: time = 0.062 + 1.038 x kept.
+    # 8192x1024x131072 chunk (results/2026-12-01-h200-filter-kernel-probes/filter-probe-4.log): 1.100x addmm's time
+    # with every tile kept, 0.248x with 17.9% kept: time = 0.062 + 1.038 x kept.
     filtered_gemm_efficiency: float = 0.963
     filter_fixed_share: float = 0.062
     # The scaled-exp slab's logits GEMM (a Triton GEMM with the exp epilogue) against cuBLAS's. MEASURED on the
@@ -84,7 +84,7 @@ class DeviceRates(NamedTuple):
     scaled_exp_gemm_efficiency: float = 0.86
     # "scaled_exp_ws"'s warp-specialised Gluon GEMM (the same epilogue, its row sums stored slot-major) against
     # cuBLAS's. MEASURED on the H200 alone at 4096-row chunks of four small heads: 0.958-0.977x cuBLAS's time
-    # (results/2026-12-02-h200-session18/call1/gluon_rowsum_probe.log, full_t), taken as 1.0.
+    # (results/2026-12-02-h200-gluon-gemm/gluon_rowsum_probe.log, full_t), taken as 1.0.
     ws_gemm_efficiency: float = 1.0
     # What each chunk on the scaled-exp slab costs beyond the logits slab's, in seconds per element of [V, H]
     # (its small chunks lose most where H and V are largest). MEASURED on the H100 with the efficiency above

@@ -51,7 +51,7 @@ SHIFT_LIMIT = 64.0
 #: under the limit may be flagged too (redone per tile: the same result, later).
 SHIFT_LIMIT_EXP = math.exp(SHIFT_LIMIT)
 #: Columns per slot of ``"scaled_exp_ws"``'s row-scaled chunks: its Gluon GEMM's tile (a warpgroup's 128x128
-#: accumulator; results/2026-12-02-h200-session18/call1/gluon_rowsum_probe.log).
+#: accumulator; results/2026-12-02-h200-gluon-gemm/gluon_rowsum_probe.log).
 WS_TILE = 128
 #: The GPUs that run ``"scaled_exp_ws"``'s Gluon GEMM: Hopper's warpgroup MMA (sm_90 only).
 WS_COMPUTE_CAPABILITY = (9, 0)

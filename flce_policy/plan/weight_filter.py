@@ -45,19 +45,20 @@ FILTER_COLS = 128
 FILTER_ROWS = 32
 #: A column block with more than this share of its row tiles kept runs the kernel's dense loop (every
 #: tile, the skipped ones' loads masked off) rather than its listed loop (kept tiles only, but about
-#: 1.8x slower per tile on the H200: the loop loads its row indices; results/notes/2026-12-01-h200-filter-probe-2.log).
+#: 1.8x slower per tile on the H200: the loop loads its row indices;
+#: results/2026-12-01-h200-filter-kernel-probes/filter-probe-2.log).
 DENSE_LOOP_MIN_KEPT = 0.5
 #: Each launch of the filtered kernel (kernels.weight_grad_filter): its time over cuBLAS addmm's per kept share,
 #: from 80-90% kept (H200, 32-row tiles). From a kept share of 1 / this on, a chunk's grad_weight runs cuBLAS's dense
 #: GEMM instead (the flags and the lists are paid by then); the cost model caps its filtered term there too. Wide TMA
 #: 1.05-1.20 at 1024-5376 hidden and 1152-16384 rows (taken as 1.10), narrow 1.06-1.08 at 896
-#: (results/2026-12-03-h200-session24/probe/all_kept_probe.log; it was 1.20 at 64-row tiles); the pointer launches
-#: 1.10x (results/notes/2026-12-01-h200-filter-probe-4.log, 64-row tiles).
+#: (results/2026-12-03-h200-filter-tiles/all_kept_probe.log; it was 1.20 at 64-row tiles); the pointer launches
+#: 1.10x (results/2026-12-01-h200-filter-kernel-probes/filter-probe-4.log, 64-row tiles).
 ALL_KEPT_COST = {"tma": 1.10, "tma_narrow": 1.07, "pointer": 1.10}
 #: After a call whose flags bought nothing (so many tiles kept, from ``1 / ALL_KEPT_COST`` of them on, that its
 #: grad_weight ran the dense GEMM: early training, random logits), a policy runs this many filtered calls of the
 #: same problem dense, without flags (:class:`FilterRest`). Such flags cost a one-chunk call 2.5-3.0% (H200,
-#: 16384x1024x131072, results/2026-12-03-h200-session22/trained_guard); averaged over a rest and the call that
+#: 16384x1024x131072, results/2026-12-03-h200-trained-filters); averaged over a rest and the call that
 #: flags, 1/17 of that. Logits that become skippable are filtered again at most this many calls later.
 FILTER_REST_CALLS = 16
 #: The largest ``grad_weight_filter_rescue``: one skipped tile in 65536 is as good as none.
