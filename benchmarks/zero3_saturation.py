@@ -278,9 +278,8 @@ class DDP:
         yield self.model.lm_head.weight
 
 
-def chosen_wrapper(asked: str) -> tuple[str, str]:
+def chosen_wrapper(asked: str, has_deepspeed: bool) -> tuple[str, str]:
     """(the wrapper that runs, why): ``auto`` is ZeRO-3 where DeepSpeed is installed, else one-rank DDP."""
-    has_deepspeed = importlib.util.find_spec("deepspeed") is not None
     if asked == "auto":
         if has_deepspeed:
             return "zero3", "DeepSpeed is installed"
@@ -501,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         os._exit(0)  # the last case's OOM left DeepSpeed mid-forward: no teardown that could wait on it
     cuda = on_gpu()
-    wrapper, why = chosen_wrapper(args.wrapper)
+    wrapper, why = chosen_wrapper(args.wrapper, importlib.util.find_spec("deepspeed") is not None)
     env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF)}
     print(
         f"wrapper {wrapper} ({why}); {'GPU' if cuda else 'CPU, tiny shapes, no filler'}; "
