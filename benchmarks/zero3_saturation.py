@@ -445,7 +445,8 @@ def verdict(result: dict, cuda: bool) -> list[tuple[bool, str]]:
         detail = f"{c['outcome']}"
         if "geometry" in c:
             g = c["geometry"]
-            detail += f", {g['num_chunks']} x {g['chunk_size']} rows ({g['slab_form']} slab {g['slab_bytes'] / 2**20:.4g} MiB)"
+            slab_mib = g["slab_bytes"] / 2**20
+            detail += f", {g['num_chunks']} x {g['chunk_size']} rows ({g['slab_form']} slab {slab_mib:.4g} MiB)"
         if "memory_left_at_call_GiB" in c:
             detail += f", left at call {c['memory_left_at_call_GiB']:.2f} GiB"
         if "step_ms" in c:
