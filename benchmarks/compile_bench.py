@@ -168,8 +168,9 @@ def peer_steps(inputs: Inputs) -> dict[str, Step]:
     return {"liger_eager": _leaf_step(loss_of, x, w, y), "liger_compiled": _leaf_step(torch.compile(loss_of), x, w, y)}
 
 
-def hf_steps(tokens: int, hidden: int, vocab: int) -> dict[str, Step]:
-    """An apply_flce-patched two-layer Llama training step, eager and compiled; {} when unavailable."""
+def hf_steps(tokens: int, hidden: int, vocab: int, device: str = "cuda") -> dict[str, Step]:
+    """An apply_flce-patched two-layer Llama training step, eager and compiled; {} when unavailable.
+    ``device``: the GPU, or the CPU of the smoke test."""
     try:
         import transformers
 
@@ -183,11 +184,11 @@ def hf_steps(tokens: int, hidden: int, vocab: int) -> dict[str, Step]:
         max_position_embeddings=tokens,
     )  # fmt: skip
     batch, seq = max(1, tokens // 2048), min(tokens, 2048)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.randint(0, vocab, (batch, seq), device="cuda", generator=gen)
+    gen = torch.Generator(device=device).manual_seed(0)
+    ids = torch.randint(0, vocab, (batch, seq), device=device, generator=gen)
     steps = {}
     for name, compile_it in (("hf_eager", False), ("hf_compiled", True)):
-        model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16)
+        model = transformers.LlamaForCausalLM(config).to(device, torch.bfloat16)
         apply_flce(model)
         model.train()
 

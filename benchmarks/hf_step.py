@@ -61,16 +61,22 @@ FAMILIES: dict[str, tuple[str, dict, int, int, str]] = {
 }
 
 
-def build_model(family: str, master_dtype: torch.dtype):
+def build_model(family: str, master_dtype: torch.dtype, device: str = "cuda", sizes: dict | None = None):
+    """The family's two-layer model with its real head; ``sizes`` replaces config fields (the CPU smoke test's
+    small head)."""
     import transformers
 
     model_type, overrides, *_ = FAMILIES[family]
     config = transformers.AutoConfig.for_model(
-        model_type, num_hidden_layers=2, max_position_embeddings=16384, tie_word_embeddings=False, **overrides
+        model_type,
+        num_hidden_layers=2,
+        max_position_embeddings=16384,
+        tie_word_embeddings=False,
+        **{**overrides, **(sizes or {})},
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=master_dtype)
     model.train()
     return model
@@ -100,7 +106,7 @@ def patch(model, family: str, method: str) -> None:
 def step_fn(model, ids, labels, autocast: bool) -> Callable[[], None]:
     def step() -> None:
         model.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=autocast):
             out = model(input_ids=ids, labels=labels)
         out.loss.backward()
         model.zero_grad(set_to_none=True)  # the step leaves nothing behind (measure's contract)
@@ -108,17 +114,28 @@ def step_fn(model, ids, labels, autocast: bool) -> Callable[[], None]:
     return step
 
 
-def run_row(family: str, method: str, autocast: bool, repeats: int) -> dict:
-    model = build_model(family, torch.float32 if autocast else torch.bfloat16)
+def run_row(
+    family: str,
+    method: str,
+    autocast: bool,
+    repeats: int,
+    *,
+    device: str = "cuda",
+    sizes: dict | None = None,
+    batch: tuple[int, int] | None = None,
+) -> dict:
+    """One row: the step's loss, median time and peak. ``device``, ``sizes`` and ``batch`` (rows, sequence
+    length) are the CPU smoke test's, where ``measure`` is replaced (it times with CUDA events)."""
+    model = build_model(family, torch.float32 if autocast else torch.bfloat16, device, sizes)
     patch(model, family, method)
-    rows, seq = FAMILIES[family][2], FAMILIES[family][3]
-    g = torch.Generator(device="cuda").manual_seed(1)
-    ids = torch.randint(0, model.config.vocab_size, (rows, seq), device="cuda", generator=g)
+    rows, seq = batch or FAMILIES[family][2:4]
+    g = torch.Generator(device=device).manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (rows, seq), device=device, generator=g)
     labels = ids.clone()
     labels[:, : seq // 8] = -100  # a prompt that is not trained on
     try:
         step = step_fn(model, ids, labels, autocast)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
             loss = model(input_ids=ids, labels=labels).loss.item()
         model.zero_grad(set_to_none=True)
         result = measure(step, warmup=2, repeats=repeats)
@@ -172,7 +189,7 @@ def _judge(what: str, value: float, limit: float, unit: str) -> str:
 
 def write(rows: list[dict], out: Path, lines: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    meta = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__)
+    meta = dict(device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", torch=torch.__version__)
     (out / "hf_step.json").write_text(json.dumps(dict(meta=meta, rows=rows, targets=lines), indent=2))
     with open(out / "hf_step.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))

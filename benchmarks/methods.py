@@ -93,13 +93,16 @@ class Inputs:
         return (self.x.shape[0], self.x.shape[1], self.weight.shape[0])
 
 
-def make_inputs(tokens: int, hidden: int, vocab: int, *, logit_std: float, dtype=torch.bfloat16, seed=0) -> Inputs:
-    """x ~ N(0, 1), W scaled so x @ W.T has std ``logit_std``; ~1% of targets ignored."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(tokens, hidden, device="cuda", generator=gen, dtype=dtype)
-    weight = torch.randn(vocab, hidden, device="cuda", generator=gen, dtype=dtype) * (logit_std / hidden**0.5)
-    target = torch.randint(0, vocab, (tokens,), device="cuda", generator=gen)
-    target[torch.rand(tokens, device="cuda", generator=gen) < 0.01] = -100
+def make_inputs(
+    tokens: int, hidden: int, vocab: int, *, logit_std: float, dtype=torch.bfloat16, seed=0, device="cuda"
+) -> Inputs:
+    """x ~ N(0, 1), W scaled so x @ W.T has std ``logit_std``; ~1% of targets ignored. ``device``: the
+    benchmarks' GPU, or the CPU of their smoke tests."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(tokens, hidden, device=device, generator=gen, dtype=dtype)
+    weight = torch.randn(vocab, hidden, device=device, generator=gen, dtype=dtype) * (logit_std / hidden**0.5)
+    target = torch.randint(0, vocab, (tokens,), device=device, generator=gen)
+    target[torch.rand(tokens, device=device, generator=gen) < 0.01] = -100
     return Inputs(x, weight, target)
 
 

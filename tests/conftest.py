@@ -76,6 +76,7 @@ LONGEST_FIRST = (
     "test_fsdp2.py",
     "test_examples.py",
     "test_hf_integration.py",
+    "test_zero3_saturation.py",
     "test_vocab_tiled.py",
     "test_loss_kernel.py",
     "test_weight_grad_filter_paths.py",

@@ -11,7 +11,17 @@ import os
 
 import pytest
 import torch
-from gpu_reference import chunked_fp32_reference, make_inputs, reference_loss_and_grads, rel_l2
+from gpu_memory import require_gpu_memory
+from gpu_reference import (
+    chunked_bf16_eager,
+    chunked_bf16_eager_bytes,
+    chunked_fp32_reference,
+    chunked_fp32_reference_bytes,
+    make_inputs,
+    reference_loss_and_grads,
+    reference_loss_and_grads_bytes,
+    rel_l2,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -89,6 +99,11 @@ def test_bf16_matches_fp32_reference_as_well_as_eager(shape):
     from flce_policy.strategies import FixedChunkSize
 
     tokens, hidden, vocab = shape
+    # the bf16 inputs, the fp32 reference's gradients kept, and a whole-logits reference call beside them
+    inputs, kept = (tokens + vocab) * hidden * 2, (tokens + vocab) * hidden * 4
+    require_gpu_memory(
+        inputs + kept + reference_loss_and_grads_bytes(*shape), "[BT, V] fp32 logits and their gradients, 3 at once"
+    )
     x, w, y = make_inputs(tokens, hidden, vocab, torch.bfloat16)
     reference = reference_loss_and_grads(x, w, y, compute_dtype=torch.float32)
     rows = [_errors("eager_bf16", reference_loss_and_grads(x, w, y, compute_dtype=torch.bfloat16), reference)]
@@ -136,6 +151,11 @@ def test_slab_of_more_than_2_pow_31_elements():
     from flce_policy.strategies import FixedChunkSize
 
     tokens, hidden, vocab = 8200, 256, 262144
+    inputs, kept = (tokens + vocab) * hidden * 2, (tokens + vocab) * hidden * 4
+    require_gpu_memory(
+        inputs + kept + reference_loss_and_grads_bytes(tokens, hidden, vocab),
+        "[BT, V] fp32 logits and their gradients, 3 at once",
+    )
     x, w, y = make_inputs(tokens, hidden, vocab, torch.bfloat16, seed=1)
     y[-3:] = vocab - 1  # targets at the very end of the last rows of the big chunk and the tail
     y[8189] = vocab - 2
@@ -202,7 +222,9 @@ def test_vocab_tiled_at_32k_is_fp32_accurate_in_the_memory_of_bf16_gradients():
     """32768x5376x262144 bf16: the lean Fastest pick (256 MiB slab, fp32-accurate, peak limit) and
     4096-column tiles (7 late tiles computed again) against the chunked fp32 reference and eager.
     Also a policy of ``Fastest(max_slab="256MiB", accum="fp32")`` (its pick has 2 row chunks) with
-    no accum_dtype passed: the loss must follow the planned fp32 accumulator (peak as predicted)."""
+    no accum_dtype passed: the loss must follow the planned fp32 accumulator (peak as predicted).
+    Eager's bf16 call runs by row blocks (``chunked_bf16_eager``, its roundings): whole, its [BT, V] fp32
+    logits are 32 GiB and it holds three such at once, more than an 80 GB card."""
     from flce_policy import DeviceInfo, FLCEPolicy, Geometry, Problem
     from flce_policy.benchmarks.methods import LEAN_PEAK
     from flce_policy.engine.probe import device_for_tensor_device
@@ -210,10 +232,14 @@ def test_vocab_tiled_at_32k_is_fp32_accurate_in_the_memory_of_bf16_gradients():
     from flce_policy.strategies import Fastest
 
     shape = (32768, 5376, 262144)
+    # the bf16 inputs and the fp32 reference's gradients kept, beside the larger of the two references' steps
+    inputs, kept = (shape[0] + shape[2]) * shape[1] * 2, (shape[0] + shape[2]) * shape[1] * 4
+    references = max(chunked_fp32_reference_bytes(*shape), chunked_bf16_eager_bytes(*shape))
+    require_gpu_memory(inputs + kept + references, "the references by blocks of 4096 rows, and fp32 W and its gradient")
     problem = Problem(*shape)
     x, w, y = make_inputs(*shape, torch.bfloat16)
     reference = chunked_fp32_reference(x, w, y)
-    eager = _errors("eager_bf16", reference_loss_and_grads(x, w, y, compute_dtype=torch.bfloat16), reference)
+    eager = _errors("eager_bf16", chunked_bf16_eager(x, w, y), reference)
     torch.cuda.empty_cache()
     lean = Fastest(max_slab="256MiB", accum="fp32", max_peak=LEAN_PEAK).geometry(problem, DeviceInfo.synthetic("H200"))
     runs = {
@@ -324,6 +350,11 @@ def test_autocast_over_fp32_master_weight_peaks_as_predicted(hidden_dtype):
     from flce_policy.plan.problem import Problem
 
     shape = (8192, 4096, 131072)
+    # the bf16 inputs, the fp32 master weight and its gradient, the hidden states and theirs, then a
+    # whole-logits fp32 reference beside them
+    tokens, hidden, vocab = shape
+    held = (tokens + vocab) * hidden * 2 + 2 * vocab * hidden * 4 + 2 * tokens * hidden * 4
+    require_gpu_memory(held + reference_loss_and_grads_bytes(*shape), "[BT, V] fp32 logits and their gradients")
     x, w, y = make_inputs(*shape, torch.bfloat16, seed=5)
     policy = FLCEPolicy.default()
     geometry = policy.resolve(Problem(*shape), device_for_tensor_device(x.device))
