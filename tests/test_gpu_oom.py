@@ -134,7 +134,7 @@ def test_a_slab_the_card_cannot_hold_falls_back_to_one_it_can(inputs, filler):
     assert left < predict_peak(big).total_bytes  # the slab of 8192 rows cannot fit in what is left
 
     available = filler.leave(left)
-    result, events, messages, call_peak = run_recording(x, w, y, FLCEPolicy(default=FixedChunkSize(8192)))
+    result, events, messages, call_peak = run_recording(x, w, y, FLCEPolicy(default=FixedChunkSize(8192), slab_form="logits"))
 
     completed = events[-1].slab_shape[0]  # the chunk size of the attempt that completed
     print(
@@ -158,7 +158,7 @@ def test_the_next_step_starts_from_the_remembered_geometry(inputs, filler):
     x, w, y = inputs
     x, w = leaves(x, w)
     warm_up(x, w, y, 8192, 4096, 2048)
-    policy = FLCEPolicy(default=FixedChunkSize(8192))
+    policy = FLCEPolicy(default=FixedChunkSize(8192), slab_form="logits")  # the form its references run
     filler.leave(predict_peak(Geometry.for_problem(PROBLEM, 4096)).total_bytes + SLACK)
     _, first_events, first_messages, _ = run_recording(x, w, y, policy)
     _, second_events, second_messages, _ = run_recording(x, w, y, policy)
