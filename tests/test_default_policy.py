@@ -1,6 +1,8 @@
 """The packaged default.yaml follows its own documented rule, entry by entry.
 
-Derived entries: max_slab = max(128 MiB, largest power of two <= 3% of (total - 64 GiB)), with
+Derived entries: on cards of 80 GB and more the H100's measured rule, a 5 GiB slab for heads up to H=3072 and for
+larger heads 2 GiB or the memory rule's slab where larger; on smaller cards the memory rule,
+max_slab = max(128 MiB, largest power of two <= 3% of (total - 64 GiB)), with
 the total memory of the family's common part (DeviceInfo.synthetic). H200's entry is measured
 (results/) and must agree with the rule as well at V=262144; its budget (2.5 GiB) gives Qwen's 151936 classes
 8192 rows where 2 GiB gives 4096; the heads on its Gluon GEMM (H <= 3072) get a 5 GiB slab.
@@ -24,21 +26,30 @@ def rule_budget(total_bytes: int) -> int:
     return max(128 * MIB, power)
 
 
-@pytest.mark.parametrize("family", [gpu.family for gpu in KNOWN_GPUS])
+EIGHTY_GB = 80 * 10**9
+
+
+@pytest.mark.parametrize("family", [gpu.family for gpu in KNOWN_GPUS if gpu.family != "H200"])
 def test_each_known_gpu_gets_the_rule_budget(family):
     device = DeviceInfo.synthetic(family)
     policy = FLCEPolicy.packaged()
     # Gemma-4 31B head at 64k tokens: BT never caps the chunk, so the slab is the budget's.
-    problem = Problem(65536, 5376, 262144)
-    geometry = policy.resolve(problem, device)
-    assert geometry.rule != "default", f"{family} falls through to the default rule"
-    assert geometry.slab_bytes == rule_budget(device.total_memory_bytes), family
+    large = policy.resolve(Problem(65536, 5376, 262144), device)
+    # a 0.5B-class head: 5 GiB holds 20480 rows of V=131072, the power of two below is 16384 (4 GiB)
+    small = policy.resolve(Problem(65536, 1024, 131072), device)
+    assert large.rule != "default", f"{family} falls through to the default rule"
+    budget = rule_budget(device.total_memory_bytes)
+    if device.total_memory_bytes >= EIGHTY_GB:
+        assert large.slab_bytes == max(2 * GIB, budget), family
+        assert small.slab_bytes == 4 * GIB, family
+    else:
+        assert large.slab_bytes == small.slab_bytes == budget, family
 
 
-def test_the_144gb_gh200_gets_the_larger_budget():
+def test_the_144gb_gh200_gets_the_same_rule():
     big = DeviceInfo.synthetic("GH200").model_copy(update={"total_memory_bytes": 141 * GIB})
     geometry = FLCEPolicy.packaged().resolve(Problem(65536, 5376, 262144), big)
-    assert geometry.slab_bytes == rule_budget(141 * GIB) == 2 * GIB
+    assert geometry.slab_bytes == max(2 * GIB, rule_budget(141 * GIB)) == 2 * GIB
 
 
 def test_the_40gb_a100_gets_the_floor():
