@@ -24,6 +24,12 @@ else:
 REPO = Path(__file__).resolve().parents[1]
 #: flce_policy/'s top level: the public surface and the front door; everything else in its rooms.
 MAX_TOP_LEVEL_MODULES = 10
+#: The front door, and the rooms below it: a call goes down through them and nothing comes back up to it.
+FRONT_DOOR = "flce_policy.loss"
+BELOW_THE_FRONT_DOOR = (
+    "flce_policy.plan", "flce_policy.strategies", "flce_policy.engine", "flce_policy.kernels", "flce_policy.call",
+    "flce_policy.distributed",
+)  # fmt: skip
 
 
 def package_dirs() -> dict[str, Path]:
@@ -125,7 +131,7 @@ def test_the_graph_covers_every_room():
     """The walk sees the mapped packages and real edges (so that an empty graph cannot pass the next test)."""
     graph = import_graph()
     assert {"flce_policy.strategies.registry", "flce_policy.kernels.driver", "flce_policy.cli.tune"} <= set(graph)
-    assert "flce_policy.call.resolve" in graph["flce_policy.loss"]
+    assert "flce_policy.call.plan" in graph["flce_policy.loss"]
     assert "flce_policy.kernels.driver_call" in graph["flce_policy.kernels.vocab_tiled"]  # a deferred import counts
     assert "flce_policy.kernels.vocab_shard" not in graph["flce_policy.kernels.ce_kernel"]  # TYPE_CHECKING only
 
@@ -133,6 +139,35 @@ def test_the_graph_covers_every_room():
 def test_find_cycle_finds_one():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def reaching(graph: dict[str, set[str]], target: str) -> dict[str, list[str]]:
+    """Each module whose imports lead to ``target``, with one chain ``[module, ..., target]`` that does."""
+    chains = {target: [target]}
+    changed = True
+    while changed:
+        changed = False
+        for module, imported in sorted(graph.items()):
+            if module not in chains and (via := next((m for m in sorted(imported) if m in chains), None)):
+                chains[module] = [module, *chains[via]]
+                changed = True
+    del chains[target]
+    return chains
+
+
+def test_reaching_follows_chains():
+    graph = {"a": {"b"}, "b": {"door"}, "c": {"d"}, "d": set(), "door": {"c"}}
+    assert reaching(graph, "door") == {"a": ["a", "b", "door"], "b": ["b", "door"]}
+
+
+def test_nothing_below_the_front_door_leads_back_to_it():
+    """The front door tells a call's story top-down: no module of the rooms below imports it, directly or
+    through another module (the integrations, say)."""
+    graph = import_graph()
+    below = [m for m in graph if m.startswith(tuple(f"{room}." for room in BELOW_THE_FRONT_DOOR))]
+    assert {"flce_policy.call.plan", "flce_policy.distributed.route", "flce_policy.kernels.driver"} <= set(below)
+    back = {module: chain for module, chain in reaching(graph, FRONT_DOOR).items() if module in below}
+    assert not back, "back up to the front door: " + "; ".join(" -> ".join(chain) for chain in back.values())
 
 
 def test_no_import_circles():

@@ -25,23 +25,64 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 @dataclass(frozen=True)
 class LossOptions:
-    """Keyword options of :func:`flce_policy.fused_linear_cross_entropy` (see there)."""
+    """The keyword options of :func:`flce_policy.fused_linear_cross_entropy`, each documented here, where it is
+    checked (a ValueError or TypeError naming it), and carried through the call as one frozen value."""
 
+    #: a target equal to it skips its row: no loss, no gradient, not counted by ``mean``
     ignore_index: int = -100
+    #: ``"mean"`` over the non-ignored tokens (class-weighted, as torch), ``"sum"``, or ``"none"`` (per token,
+    #: in ``target``'s shape)
     reduction: Reduction = "mean"
+    #: as ``F.cross_entropy``'s, in [0, 1]
     label_smoothing: float = 0.0
+    #: logits become ``softcap * tanh(logits / softcap)`` before the loss
     softcap: float | None = None
+    #: ``"fp32"`` (default) computes the softcap and its gradient in fp32 on the logits; ``"eager"`` rounds each
+    #: of its three ops (``/ softcap``, ``tanh``, ``* softcap``) and each of their gradients to the logits'
+    #: dtype, as eager PyTorch computes them on bf16/fp16 logits (HF's Gemma forward): the same numbers as that
+    #: path, less precise than fp32. No effect on fp32 logits or without ``softcap``.
     softcap_rounding: SoftcapRounding = "fp32"
+    #: adds ``z_loss_scale * logsumexp(logits)**2`` per non-ignored token, averaged over the non-ignored
+    #: tokens for ``mean`` (not class-weighted)
     z_loss_scale: float = 0.0
+    #: return the z-loss term alone as :attr:`FLCEOutput.z_loss` (it is in the loss either way)
     return_z_loss: bool = False
+    #: return the share of non-ignored tokens whose argmax logit is the target
     return_token_accuracy: bool = False
+    #: ``torch.float32`` accumulates grad_weight over chunks in fp32. None: what the geometry plans
+    #: (``Fastest(accum="fp32")`` and ``FreeMemory(accum_dtype="float32")`` plan fp32), else the weight dtype.
+    #: Asking for another than the planned one is an error.
     accum_dtype: torch.dtype | None = None
+    #: multiply each token's loss (cross-entropy and z-loss), and so its gradient, by the detached predicted
+    #: probability of its target (TRL's ``dft`` loss)
     use_token_scaling: bool = False
+    #: return each token's argmax class (int64, ``target``'s shape, -1 where ignored)
     return_predicted_tokens: bool = False
+    #: return each token's entropy (nats, fp32, detached, ``target``'s shape, 0 where ignored) of
+    #: ``softmax(z)``, ``z`` the logits after ``softcap``: independent of label smoothing, class weights and
+    #: token scaling. Computed in the same kernel pass (one more online partial sum), whatever the reduction.
+    #: Not supported for a vocab-parallel head (``tp_group`` or a DTensor weight): NotImplementedError.
     return_entropy: bool = False
-    #: eps of the grad_weight filter; None follows the policy's rule (itself None by default: dense).
+    #: eps (e.g. ``2**-12``): grad_weight and grad_bias take only the tiles of dL/dlogits (32 rows of a chunk x
+    #: 128 classes) in which some token's ``|p_c - [c == y]|`` is ``>= eps`` or that hold a target;
+    #: ``p = softmax(z)``, ``z`` after the softcap, before every scale (reduction, ``grad_output``, class
+    #: weight, token scaling, z-loss), so the threshold is per token. The loss, every extra and grad_input are
+    #: bit for bit the unfiltered call's. With ``label_smoothing`` the threshold ignores the smoothing too, and
+    #: a skipped tile drops its uniform ``-eps_ls/V`` term. None (default): the policy rule's
+    #: ``grad_weight_filter`` (none unless a rule sets one: the dense path); a number here wins over the
+    #: policy's, and ``0`` (nothing skipped) runs the dense path. Given an :class:`FLCEPolicy`, a call whose
+    #: flags bought nothing (so many tiles kept that grad_weight ran the dense GEMM) makes the policy run the
+    #: problem's next filtered calls at that eps or below (``FILTER_REST_CALLS`` of
+    #: :mod:`flce_policy.plan.weight_filter`) dense, without the flags' cost; then one flags again. See
+    #: docs/grad_weight_filter.md.
     grad_weight_filter: float | None = None
-    #: N of the filter's rescue; None follows the policy's rule (itself None by default: no rescue).
+    #: N, a power of two in [2, 65536]: a tile the filter skips whose largest per-token ``|p - onehot|`` lies
+    #: L octaves below eps is multiplied anyway with probability 2^-L (L at least 1, at most log2(N); picked by
+    #: a hash of the tile's rows of ``input`` and its classes: other tiles on every step) and counted 2^L
+    #: times, so grad_weight and grad_bias equal the dense ones in expectation: the filter's bias on training
+    #: goes, for some of the skipped tiles' cost (most for the tiles just under eps, which carry most of what
+    #: is dropped) and some noise in each call's grad_weight. None (default): the policy rule's (none unless a
+    #: rule sets one). Needs a filter eps (the call's or the rule's): ValueError without one.
     grad_weight_filter_rescue: int | None = None
     #: Set by the loss for a vocab-parallel head (``tp_group``, or a ``Shard(0)`` DTensor weight):
     #: this rank's :class:`flce_policy.kernels.vocab_shard.VocabShard`. Not a caller's option.

@@ -1,6 +1,6 @@
 """A loss call's tensors checked and its geometry resolved: the one place every path gets them.
 
-The eager front door (:mod:`flce_policy.loss`), the compiled op (:mod:`flce_policy.call.custom_op`) and the
+The local plan (:mod:`flce_policy.call.plan`), the compiled op (:mod:`flce_policy.call.custom_op`) and the
 vocab-parallel path (:mod:`flce_policy.distributed.vocab_parallel`) all check their tensors with
 :func:`check_tensors` and turn the policy into a Geometry with :func:`geometry_for`, so the three
 answer a call alike; :func:`geometry_for_call` then takes the slab form the call's options and device can

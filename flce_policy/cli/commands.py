@@ -21,12 +21,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-import yaml
 from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from flce_policy.engine.config import CONFIG_VERSION, ConfigError
+from flce_policy.engine.config import CONFIG_VERSION, ConfigError, load_yaml_text
 from flce_policy.engine.policy import CONFIG_ENV_VAR, FLCEPolicy
 from flce_policy.plan.device import DeviceInfo
 from flce_policy.plan.problem import Problem, checked_dtype, vocab_shard_sizes
@@ -241,11 +240,12 @@ def _params(pairs: list[str]) -> dict[str, Any]:
         key, sep, text = pair.partition("=")
         if not sep or not key.strip():
             raise _UsageError(f"--param expects KEY=VALUE, got {pair!r}")
-        # Read like a YAML value so the command line means what a config file would: 16 is an int, 512MiB a
-        # string, "{strategy: heuristic_c, c: 16}" a nested strategy (free_memory's cap).
+        # Read like a YAML value, by the policy files' reader, so the command line means what a config file
+        # would: 16 is an int, 512MiB a string, "{strategy: heuristic_c, c: 16}" a nested strategy (free_memory's
+        # cap). What it cannot read (bad syntax, an alias) stays the text, for the strategy to refuse by name.
         try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError:
+            value = load_yaml_text(text, source="--param")
+        except ConfigError:
             value = text
         params[key.strip()] = text if value is None or isinstance(value, list) else value
     return params

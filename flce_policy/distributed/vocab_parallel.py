@@ -2,8 +2,12 @@
 
 ``fused_linear_cross_entropy(..., tp_group=group)`` (or a ``Shard(0)`` DTensor weight) lands here
 before the autograd Function runs. Each rank holds a contiguous shard of the head's rows, in
-group-rank order, of any size; ``input`` and ``target`` (global class ids) are the same on every
-rank. This module:
+group-rank order, of any size (``weight``, ``bias`` and ``class_weight`` are this rank's shard);
+``input`` and ``target`` (global class ids) are the same on every rank. The call is collective: every
+rank of the group must make it alike. Without ``tp_group``, a ``Shard(0)`` DTensor weight on a 1-D
+mesh (the group from the mesh) is vocab parallel only with a DTensor ``input``, as a
+``ColwiseParallel`` module passes; with a plain input it is refused as a shard (an FSDP2 parameter
+outside its forward, say), naming the fix. This module:
 
 - takes the local tensors out of DTensors (the weight's gradient goes back as a DTensor with the
   same placement: ``to_local`` is differentiable);
@@ -19,25 +23,25 @@ rank. This module:
 - sums ``grad_input`` over the group once per call, in backward (``tp_grad_input="partial"``
   leaves this rank's share for a caller whose own parallel region all-reduces it).
 
-The loss, z-loss, accuracy and predicted tokens come out whole on every rank.
+The loss, z-loss, accuracy and predicted tokens come out whole on every rank; the weight and bias
+gradients are the shard's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from flce_policy.call.options import LossOptions
+from flce_policy.call.plan import CallPlan, LossCall
 from flce_policy.call.resolve import check_tensors, geometry_for
 from flce_policy.call.targets import TargetCheck
 from flce_policy.distributed.sharded import is_dtensor
 from flce_policy.plan.geometry import Geometry
-from flce_policy.plan.weight_filter import FilterRest
 
-__all__ = ["GradInputMode", "VocabParallelCall", "prepare_vocab_parallel"]
+__all__ = ["GradInputMode", "is_vocab_parallel", "vocab_parallel_plan"]
 
 GradInputMode = Literal["full", "partial"]
 _GRAD_INPUT_MODES = ("full", "partial")
@@ -45,48 +49,36 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _REDUCTION_CODES = {"mean": 0, "sum": 1, "none": 2}
 
 
-class VocabParallelCall(NamedTuple):
-    """What the autograd Function runs on this rank: local tensors, the whole vocabulary's class weights."""
-
-    x: torch.Tensor
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-    target: torch.Tensor
-    class_weight: torch.Tensor | None
-    geometry: Geometry | None
-    options: LossOptions
-    targets: TargetCheck  # checked already: the safe targets are ``target``
-    #: the policy's rest for this rank's shard problem: a rank's flags and their dense fallback are its own (no
-    #: collective), so ranks may rest apart
-    filter_rest: FilterRest | None
+def is_vocab_parallel(input: Any, weight: Any, group: Any) -> bool:
+    """Whether a call is a vocab-parallel head's: a ``tp_group``, or a ``Shard(0)`` DTensor weight with a
+    (replicated) DTensor input, as inside a ColwiseParallel module's call. A DTensor weight with a plain input
+    is more likely an FSDP2 shard handed over outside the forward that unshards it: not this path's."""
+    return group is not None or (is_dtensor(weight) and is_dtensor(input))
 
 
-def prepare_vocab_parallel(
-    input: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    bias: torch.Tensor | None,
-    class_weight: torch.Tensor | None,
-    options: LossOptions,
-    *,
-    policy: Any,
-    group: Any,
-    grad_input: GradInputMode,
-    compute_dtype: torch.dtype | None,
-) -> VocabParallelCall:
-    """Check and agree a vocab-parallel call over ``group`` (see the module docstring); collective."""
-    # Imported here: the kernels pick interpreter or compiler at import (TRITON_INTERPRET), as loss.py defers them.
+def vocab_parallel_plan(call: LossCall) -> CallPlan:
+    """Check and agree a vocab-parallel call over its group (see the module docstring); collective.
+
+    Eager only, and with no OOM fallback: a retry on one rank alone would leave the others waiting in its
+    collectives. The policy's grad_weight filter rest is this rank's shard problem's: a rank's flags and
+    their dense fallback are its own (no collective), so ranks may rest apart.
+    """
+    _refuse_unsupported(call)
+    # Imported here: the kernels pick interpreter or compiler at import (TRITON_INTERPRET), as call/run.py defers them.
     from flce_policy.kernels.vocab_shard import VocabShard
 
+    options, grad_input, compute_dtype = call.options, call.tp_grad_input, call.compute_dtype
     if grad_input not in _GRAD_INPUT_MODES:
         raise ValueError(f"tp_grad_input must be 'full' or 'partial', got {grad_input!r}")
-    input, weight, bias, class_weight, group = _local_tensors(input, weight, bias, class_weight, group)
+    input, weight, bias, class_weight, group = _local_tensors(
+        call.input, call.weight, call.bias, call.class_weight, call.tp_group
+    )
     rank, world = _rank_in(group)
-    x, target_flat, class_weight = check_tensors(input, weight, target, bias, class_weight, compute_dtype)
+    x, target_flat, class_weight = check_tensors(input, weight, call.target, bias, class_weight, compute_dtype)
     if weight.shape[0] == 0:
         raise ValueError(f"rank {rank} of tp_group holds an empty vocab shard (weight {tuple(weight.shape)})")
     dtype = compute_dtype or x.dtype
-    geometry, _, filter_rest = geometry_for(policy, x, weight, dtype, tp_size=world) if x.shape[0] else (None,) * 3
+    geometry, _, filter_rest = geometry_for(call.policy, x, weight, dtype, tp_size=world) if x.shape[0] else (None,) * 3
     needs_input_grad = torch.is_grad_enabled() and input.requires_grad
     fields = _call_fields(x, target_flat, bias, class_weight, options, dtype, grad_input, needs_input_grad)
     sizes, chunk_sizes = _agree(fields, weight.shape[0], geometry, group, world, x.device)
@@ -100,14 +92,35 @@ def prepare_vocab_parallel(
         targets.finish()
     except ValueError as err:
         raise ValueError(f"{err}: tp_group's {world} shard(s) hold {sizes} classes, V={vocab} in all") from None
-    target_flat = targets.safe_target()
     if geometry is not None and geometry.chunk_size != min(chunk_sizes):
         geometry = _with_rows(geometry, min(chunk_sizes), chunk_sizes)
     shard = VocabShard(group=group, start=start, stop=start + weight.shape[0], vocab=vocab)
     if grad_input == "full" and needs_input_grad and world > 1:
         x = _SumGradOverGroup.apply(x, group)
     options = dataclasses.replace(options, vocab_shard=shard)
-    return VocabParallelCall(x, weight, bias, target_flat, class_weight, geometry, options, targets, filter_rest)
+    if geometry is not None:
+        options = options.following(geometry)
+    return CallPlan(
+        x, weight, bias, targets.safe_target(), class_weight, options, compute_dtype, geometry, None, targets,
+        filter_rest,
+    )  # fmt: skip
+
+
+def _refuse_unsupported(call: LossCall) -> None:
+    """NotImplementedError for what a vocab-parallel head does not do yet, before any collective."""
+    input = call.input
+    if isinstance(input, torch.Tensor) and input.dim() and not input.shape[-1]:
+        raise NotImplementedError("a vocab-parallel head (tp_group or a DTensor weight) with hidden size H=0")
+    if call.options.return_entropy:
+        raise NotImplementedError(
+            "return_entropy is not supported for a vocab-parallel head (tp_group or a DTensor weight) yet: "
+            "its partial sums are not merged across the ranks"
+        )
+    if torch.compiler.is_compiling():
+        raise NotImplementedError(
+            "a vocab-parallel head (tp_group or a DTensor weight) is not supported under torch.compile yet: "
+            "its per-chunk collectives run in the eager driver; wrap the loss call in torch.compiler.disable"
+        )
 
 
 # --- DTensors and the group ---------------------------------------------------------------------------

@@ -25,7 +25,8 @@ A file reads::
 matches every device, the CPU fallback included (write ``match: cpu`` to single that out).
 Every error names the source (file) and the key path, e.g.
 ``config.yaml: devices[1].max_slab: cannot parse 'lots' as a byte size ...``, and into a nested
-strategy: ``devices[1].cap.c: c must be a positive integer, got 0``.
+strategy: ``devices[1].cap.c: c must be a positive integer, got 0``. YAML aliases (``*name``) are refused
+where they stand, as the file is read: nothing walks the values a few of them can stand for.
 This module only parses; :mod:`flce_policy.engine.policy` turns the result into a policy.
 """
 
@@ -45,6 +46,7 @@ from flce_policy.strategies import ChunkStrategy, StrategyError, strategy_class,
 __all__ = [
     "CONFIG_VERSION",
     "MAX_NESTING",
+    "ALIASES_REFUSED",
     "RULE_KEYS",
     "DEFAULT_KEYS",
     "ConfigError",
@@ -53,6 +55,7 @@ __all__ = [
     "parse_config",
     "load_yaml_text",
     "load_yaml_file",
+    "dump_yaml",
 ]
 
 CONFIG_VERSION = 1
@@ -60,6 +63,11 @@ CONFIG_VERSION = 1
 #: rule, its cap strategy, that one's rates); a deeper one is a mistake, and walking it would
 #: only exhaust Python's recursion limit somewhere less clear.
 MAX_NESTING = 32
+#: Why a policy file's alias (``*name``) is an error: a few lines of them can stand for billions of values.
+ALIASES_REFUSED = (
+    "a policy file may not use YAML aliases (*name), which can make a few lines stand for billions of values; "
+    "write the value out where it is used"
+)
 #: Keys a ``devices`` entry understands besides the parameters of its strategy.
 RULE_KEYS = (
     "match", "min_total_memory", "max_total_memory", "strategy", "grad_weight_filter", "grad_weight_filter_rescue",
@@ -354,8 +362,23 @@ def _type_name(value: Any) -> str:
 # --- reading YAML --------------------------------------------------------------------------------
 
 
+class _AliasRefused(yaml.composer.ComposerError):
+    """An alias (``*name``) in a policy file: refused before anything walks the value it stands for."""
+
+
 class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate keys, which plain YAML silently resolves to the last one."""
+    """SafeLoader that rejects duplicate keys, which plain YAML silently resolves to the last one, and aliases.
+
+    An alias is the node it names, shared, so nine anchors of nine aliases each compose in a
+    millisecond and stand for 9**9 values: every later walk (the nesting check, validation) would
+    visit each one. Refused here, at its event, the file is never expanded.
+    """
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise _AliasRefused(None, None, f"alias *{event.anchor}", event.start_mark)
+        return super().compose_node(parent, index)
 
 
 def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
@@ -376,18 +399,35 @@ _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _m
 
 
 def load_yaml_text(text: str, *, source: str = "<string>") -> Any:
-    """Parse YAML text; a syntax error becomes a :class:`ConfigError` naming the line and column."""
+    """Parse YAML text: the one reader of a policy's YAML (files, ``tune``'s output, ``--param`` values).
+
+    A syntax error, a duplicate key or an alias becomes a :class:`ConfigError` naming the line and column.
+    """
     try:
         return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(err, "problem", None) or str(err)
+        if isinstance(err, _AliasRefused):
+            raise ConfigError(source, [(where, f"{problem}: {ALIASES_REFUSED}")]) from None
         raise ConfigError(source, [(where, f"YAML syntax error: {problem}")]) from None
     except RecursionError:  # the YAML parser recurses once per level of nesting
         raise ConfigError(
             source, [("", f"nested too deeply to read (a policy needs at most {MAX_NESTING} levels)")]
         ) from None
+
+
+class _PlainDumper(yaml.SafeDumper):
+    """SafeDumper that writes a value shared in two places twice, never as an anchor and alias (refused on reading)."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def dump_yaml(data: Any) -> str:
+    """``data`` as YAML text :func:`load_yaml_text` reads back: keys in their order, no aliases."""
+    return yaml.dump(data, Dumper=_PlainDumper, sort_keys=False)
 
 
 def load_yaml_file(path: str | Path, *, source: str | None = None) -> Any:

@@ -11,9 +11,14 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import yaml
-
-from flce_policy.engine.config import CONFIG_VERSION, ConfigError, load_yaml_file, load_yaml_text, parse_config
+from flce_policy.engine.config import (
+    CONFIG_VERSION,
+    ConfigError,
+    dump_yaml,
+    load_yaml_file,
+    load_yaml_text,
+    parse_config,
+)
 from flce_policy.engine.planned import form_choice, planned_geometry
 from flce_policy.plan.collectives import comm_plan
 from flce_policy.plan.cost_model import predict_seconds
@@ -275,7 +280,7 @@ class FLCEPolicy:
 
     def to_yaml(self) -> str:
         """:meth:`to_dict` as YAML text."""
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        return dump_yaml(self.to_dict())
 
     # --- deciding --------------------------------------------------------------------------------
 
