@@ -134,7 +134,9 @@ def test_a_slab_the_card_cannot_hold_falls_back_to_one_it_can(inputs, filler):
     assert left < predict_peak(big).total_bytes  # the slab of 8192 rows cannot fit in what is left
 
     available = filler.leave(left)
-    result, events, messages, call_peak = run_recording(x, w, y, FLCEPolicy(default=FixedChunkSize(8192), slab_form="logits"))
+    result, events, messages, call_peak = run_recording(
+        x, w, y, FLCEPolicy(default=FixedChunkSize(8192), slab_form="logits")
+    )
 
     completed = events[-1].slab_shape[0]  # the chunk size of the attempt that completed
     print(
