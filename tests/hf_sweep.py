@@ -264,7 +264,7 @@ def _run(model_type: str) -> Outcome:
 
 
 #: a reason longer than this is cut (with an ellipsis): the table names the error, the sweep prints it whole
-REASON_CHARS = 72
+REASON_CHARS = 40
 
 
 def reason(detail: str) -> str:

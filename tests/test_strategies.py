@@ -14,6 +14,7 @@ from flce_policy.plan.device import DeviceInfo
 from flce_policy.plan.problem import Problem
 from flce_policy.strategies import (
     BUILTIN_STRATEGIES,
+    ByHidden,
     ChunkStrategy,
     Fastest,
     FixedChunkSize,
@@ -232,6 +233,7 @@ def test_builtins_are_registered_by_short_name():
         "free_memory": FreeMemory,
         "fastest": Fastest,
         "scaled_exp": ScaledExp,
+        "by_hidden": ByHidden,
     }
     assert strategy_class("slab_budget") is SlabBudget
 
