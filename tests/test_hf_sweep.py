@@ -106,9 +106,9 @@ def test_the_docs_table_lists_the_matched_types_and_groups_the_rest_by_reason():
     long_reason = "not built tiny: ValueError: " + "x" * 300
     outcomes = [
         hf_sweep.Outcome("alpha", "matched", "loss 7.1"),
-        hf_sweep.Outcome("bravo", "refused", "ValueError: BravoForCausalLM.forward does not compute its loss | here"),
+        hf_sweep.Outcome("bravo", "refused", "ValueError: BravoForCausalLM.forward: no loss | here"),
         hf_sweep.Outcome("charlie", "skipped", long_reason),
-        hf_sweep.Outcome("delta", "refused", "ValueError: DeltaModel.forward does not compute its loss | here"),
+        hf_sweep.Outcome("delta", "refused", "ValueError: DeltaModel.forward: no loss | here"),
         hf_sweep.Outcome("echo", "matched", "loss 6.9"),
         hf_sweep.Outcome(
             "foxtrot", "skipped", "not built tiny: SomeValidationError: validator 'v' failed: ValueError: the\ncause"
@@ -118,7 +118,7 @@ def test_the_docs_table_lists_the_matched_types_and_groups_the_rest_by_reason():
     assert "(2 matched, 2 refused, 2 skipped, 0 FAILED of 6)" in lines[0]
     assert "**matched** (2): `alpha`, `echo`." in lines
     # one row for the refusal both types share, its class name said generically and its pipe escaped
-    assert r"| refused | `bravo`, `delta` | ValueError: its forward does not compute its loss \| here |" in lines
+    assert r"| refused | `bravo`, `delta` | ValueError: its forward: no loss \| here |" in lines
     # a wrapped error shows its innermost one, which names the cause
     assert "| skipped | `foxtrot` | not built tiny: ValueError: the cause |" in lines
     (skipped,) = [line for line in lines if line.startswith("| skipped | `charlie`")]
