@@ -15,6 +15,8 @@ else:
     from .fixed_chunk_size import FixedChunkSize
     from .free_memory import FreeMemory, NotEnoughFreeMemoryError
     from .heuristic_c import HeuristicC
+    from .measured import Measured
+    from .memory_rule import MemoryRule
     from .registry import BUILTIN_STRATEGIES, strategy_class, strategy_from_config
     from .scaled_exp import ScaledExp
     from .slab_budget import SlabBudget
@@ -31,6 +33,8 @@ __all__ = [
     "Fastest",
     "ScaledExp",
     "ByHidden",
+    "Measured",
+    "MemoryRule",
     "BUILTIN_STRATEGIES",
     "strategy_class",
     "strategy_from_config",

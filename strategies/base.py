@@ -40,6 +40,10 @@ class ChunkStrategy(ABC):
     #: problem, the device and the parameters: a policy, and the loss given the strategy itself,
     #: then ask it on every call instead of caching its geometry.
     dynamic: ClassVar[bool] = False
+    #: True when a policy times the strategy's candidates on the loss calls themselves and keeps the fastest
+    #: (:class:`~flce_policy.strategies.Measured`); its :meth:`geometry` is then the limit, what runs where
+    #: nothing measures.
+    measures: ClassVar[bool] = False
 
     @abstractmethod
     def pick_chunk_size(self, problem: Problem, device: DeviceInfo) -> int:

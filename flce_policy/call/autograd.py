@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -32,6 +32,9 @@ from flce_policy.kernels.scale import scale_all_unless_one_
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.oom import DEFAULT_OOM_FALLBACK, OOMFallback
 from flce_policy.plan.weight_filter import FilterRest, check_rescue_has_filter
+
+if TYPE_CHECKING:
+    from flce_policy.engine.measured_entry import Trial
 
 __all__ = [
     "FLCEFunction", "ForwardResult", "SECOND_ORDER_MESSAGE", "autocast_off", "forward_pass", "grad_request",
@@ -83,6 +86,7 @@ class FLCEFunction(torch.autograd.Function):
         compute_dtype: torch.dtype | None = None,
         targets: TargetCheck | None = None,
         filter_rest: FilterRest | None = None,
+        trial: Trial | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         # needs_input_grad ignores torch.no_grad(): the caller's grad mode is passed in.
         needs = ctx.needs_input_grad
@@ -90,7 +94,9 @@ class FLCEFunction(torch.autograd.Function):
         want = grad_request(wants, weight, bias, options, compute_dtype)
         ctx.compute_dtype, ctx.filter_rest = compute_dtype, filter_rest
         with autocast_off(x.device.type):
-            return _forward(ctx, x, weight, bias, target, class_weight, geometry, options, want, fallback, targets)
+            return _forward(
+                ctx, x, weight, bias, target, class_weight, geometry, options, want, fallback, targets, trial
+            )
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
@@ -116,7 +122,7 @@ class FLCEFunction(torch.autograd.Function):
             ctx.gave_graph = True
             grads = refuse_second_order(grads)
         grad_input, grad_weight, grad_bias = grads
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None, None, None, None
 
 
 SECOND_ORDER_MESSAGE = (
@@ -211,6 +217,7 @@ def _forward(
     want: GradRequest,
     fallback: OOMFallback | None,
     targets: TargetCheck | None,
+    trial: Trial | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     if targets is None:  # a caller that started none: the check (and the safe targets) made here
         targets = TargetCheck(target, weight.shape[0], options.ignore_index, class_weight, options.reduction == "mean")
@@ -219,7 +226,8 @@ def _forward(
         # the caller's tensors: backward casts again rather than holding a copy between the passes
         ctx.save_for_backward(x, weight, bias, target, class_weight)
     result = forward_pass(
-        x, weight, bias, targets, class_weight, geometry, options, want, fallback, ctx.compute_dtype, ctx.filter_rest
+        x, weight, bias, targets, class_weight, geometry, options, want, fallback, ctx.compute_dtype, ctx.filter_rest,
+        trial,
     )  # fmt: skip
     extras = (result.z_loss, result.accuracy, result.predicted, result.entropy)
     ctx.mark_non_differentiable(*(t for t in extras if t is not None))
@@ -244,6 +252,7 @@ def forward_pass(
     fallback: OOMFallback | None,
     compute_dtype: torch.dtype | None,
     filter_rest: FilterRest | None = None,
+    trial: Trial | None = None,
 ) -> ForwardResult:
     """The loss (and for mean/sum the gradients) of one call, on the caller's tensors.
 
@@ -252,7 +261,8 @@ def forward_pass(
     chunks are queued: a bad target raises ValueError then, with no GPU idle time before it. Where no
     host sync is allowed (CUDA-graph capture) a bad target makes its gradient scales NaN and its
     ``poison`` NaN, which the loss adds (``loss_totals`` reads it from the same meta). ``filter_rest``: the
-    policy's memory of the problem's flagged calls, for a filtered call (None: it flags).
+    policy's memory of the problem's flagged calls, for a filtered call (None: it flags). ``trial``: a measured
+    strategy's timing of this call (its lap spans the chunks' work; reduction none's backward is not in it).
     """
     caller_dtypes = (x.dtype, None if bias is None else bias.dtype)
     x, weight, bias = _operands(x, weight, bias, compute_dtype)
@@ -265,6 +275,7 @@ def forward_pass(
         out = _empty_outputs(x, weight, bias, in_forward, params)
     else:
         geometry = geometry_for_call(geometry, params.softcap, x.device)
+        lap = None if trial is None else trial.start(x.device)
         out, geometry = run_with_oom_fallback(
             x,
             weight,
@@ -278,6 +289,8 @@ def forward_pass(
             grad_scale=grad_scale,
             deferred_targets=None if targets.queued else DeferredTargets(targets.given_target(), targets.queue),
         )
+        if lap is not None:
+            trial.stop(lap, geometry)  # type: ignore[union-attr]
     targets.finish()
 
     argmax_rows = out.argmax_rows if options.return_token_accuracy else None

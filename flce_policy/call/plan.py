@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from flce_policy.call.options import LossOptions
-from flce_policy.call.resolve import check_tensors, geometry_for
+from flce_policy.call.resolve import call_kind, check_tensors, geometry_for
 from flce_policy.call.targets import TargetCheck, start_target_check
 from flce_policy.plan.geometry import Geometry
 
 if TYPE_CHECKING:
+    from flce_policy.engine.measured_entry import Trial
     from flce_policy.plan.oom import OOMFallback
     from flce_policy.plan.weight_filter import FilterRest
 
@@ -60,6 +61,7 @@ class CallPlan(NamedTuple):
     #: True while Dynamo traces the call: it runs as one custom op that resolves ``policy`` at run time
     compiled: bool = False
     policy: Any = None
+    trial: Trial | None = None  # times the call while a measured strategy measures its problem
 
 
 def local_plan(call: LossCall) -> CallPlan:
@@ -87,10 +89,12 @@ def local_plan(call: LossCall) -> CallPlan:
     )
     if not x.shape[0]:
         return CallPlan(x, weight, bias, target, class_weight, options, compute_dtype, targets=targets)
-    geometry, fallback, filter_rest = geometry_for(call.policy, x, weight, compute_dtype or x.dtype)
+    grad = torch.is_grad_enabled()
+    kind = call_kind(options, bias, (grad and call.input.requires_grad, grad and weight.requires_grad))
+    geometry, fallback, filter_rest, trial = geometry_for(call.policy, x, weight, compute_dtype or x.dtype, kind=kind)
     return CallPlan(
         x, weight, bias, target, class_weight, options.following(geometry), compute_dtype, geometry, fallback, targets,
-        filter_rest,
+        filter_rest, trial=trial,
     )  # fmt: skip
 
 

@@ -26,10 +26,12 @@ from flce_policy.plan.scaled_exp import call_routing, is_scaled_exp
 from flce_policy.strategies import ChunkStrategy
 
 if TYPE_CHECKING:
+    from flce_policy.call.options import LossOptions
+    from flce_policy.engine.measured_entry import Trial
     from flce_policy.plan.oom import OOMFallback
     from flce_policy.plan.weight_filter import FilterRest
 
-__all__ = ["ResolvedCall", "check_tensors", "geometry_for", "geometry_for_call", "call_problem"]
+__all__ = ["ResolvedCall", "call_kind", "check_tensors", "geometry_for", "geometry_for_call", "call_problem"]
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -42,33 +44,74 @@ class ResolvedCall(NamedTuple):
     fallback: OOMFallback | None
     #: the policy's memory of the problem's last flagged call (None without a policy: every filtered call flags)
     filter_rest: FilterRest | None = None
+    #: times the call while a ``measured`` strategy measures its problem (None otherwise)
+    trial: Trial | None = None
 
 
 def geometry_for(
-    policy: Any, x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, *, tp_size: int = 1
+    policy: Any, x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, *, tp_size: int = 1, kind: str | None = None
 ) -> ResolvedCall:
     """The geometry to run, how an OOM on its slab is answered (a policy's settings, else the default) and, from a
     policy, the grad_weight filter's rest for the problem.
 
     Under tensor parallelism ``weight`` is this rank's shard and ``tp_size`` the group's size.
     Called on every loss call (eager, and inside the compiled op): plain lookups, no validation
-    once a problem has been seen.
+    once a problem has been seen. ``kind`` (:func:`call_kind`): an eager call whose policy may measure it; None
+    (a vocab-parallel head, whose ranks must agree; the compiled op) runs the pick known without measuring.
     """
     if isinstance(policy, Geometry):
         return ResolvedCall(policy, DEFAULT_OOM_FALLBACK)  # checked against the tensors by the driver
     problem = call_problem(x.shape[0], x.shape[1], weight.shape[0], dtype, tp_size)
     device = probe.device_for_tensor_device(x.device)
     if isinstance(policy, ChunkStrategy):
+        if policy.measures:  # its state lives in a policy: one per strategy parameters
+            return geometry_for(_policy_around(policy), x, weight, dtype, tp_size=tp_size, kind=kind)
         return ResolvedCall(strategy_geometry(policy, problem, device), DEFAULT_OOM_FALLBACK)
     if policy is None:
         policy = _default_policy(os.environ.get(CONFIG_ENV_VAR))
     if isinstance(policy, FLCEPolicy):
+        if kind is not None:
+            geometry, fallback, trial = policy.resolve_call(problem, device, kind)
+            return ResolvedCall(geometry, fallback, policy.filter_rest_for(problem, device), trial)
         return ResolvedCall(
             policy.resolve(problem, device),
             policy.oom_fallback_for(problem, device),
             policy.filter_rest_for(problem, device),
         )
     raise TypeError(f"policy must be an FLCEPolicy, a Geometry, a ChunkStrategy or None; got {type(policy).__name__}")
+
+
+def call_kind(options: LossOptions, bias: torch.Tensor | None, wants: tuple[bool, bool]) -> str:
+    """The options of a call that change what its kernels do, as a short string ("" for a plain training call:
+    mean or sum, gradients of input and weight, nothing else): a ``measured`` strategy times each kind apart."""
+    parts = [
+        name
+        for name, on in (
+            ("bias", bias is not None),
+            ("reduction none", options.reduction == "none"),
+            ("label smoothing", bool(options.label_smoothing)),
+            ("softcap", options.softcap is not None),
+            ("argmax", options.return_token_accuracy or options.return_predicted_tokens),
+            ("entropy", options.return_entropy),
+            ("z-loss", bool(options.z_loss_scale) or options.return_z_loss),
+            ("token scaling", options.use_token_scaling),
+            ("no input grad", not wants[0]),
+            ("no weight grad", not wants[1]),
+        )
+        if on
+    ]
+    if options.grad_weight_filter:
+        parts.append(f"filter {options.grad_weight_filter:g}")
+    if options.accum_dtype is not None:
+        parts.append(f"accum {str(options.accum_dtype).removeprefix('torch.')}")
+    return ", ".join(parts)
+
+
+@functools.lru_cache(maxsize=64)
+def _policy_around(strategy: ChunkStrategy) -> FLCEPolicy:
+    """A ``measured`` strategy given to the loss itself, held in a policy of its own (per parameters: strategies
+    hash by them) that keeps its picks and searches."""
+    return FLCEPolicy(default=strategy, source=f"policy={strategy!r}")
 
 
 def geometry_for_call(geometry: Geometry, softcap: float | None, device: torch.device) -> Geometry:

@@ -27,5 +27,5 @@ def run(plan: CallPlan) -> LossResults:
 
     return FLCEFunction.apply(
         plan.x, plan.weight, plan.bias, plan.target, plan.class_weight, plan.geometry, plan.options,
-        torch.is_grad_enabled(), plan.fallback, plan.compute_dtype, plan.targets, plan.filter_rest,
+        torch.is_grad_enabled(), plan.fallback, plan.compute_dtype, plan.targets, plan.filter_rest, plan.trial,
     )  # fmt: skip

@@ -78,7 +78,8 @@ def vocab_parallel_plan(call: LossCall) -> CallPlan:
     if weight.shape[0] == 0:
         raise ValueError(f"rank {rank} of tp_group holds an empty vocab shard (weight {tuple(weight.shape)})")
     dtype = compute_dtype or x.dtype
-    geometry, _, filter_rest = geometry_for(call.policy, x, weight, dtype, tp_size=world) if x.shape[0] else (None,) * 3
+    resolved = geometry_for(call.policy, x, weight, dtype, tp_size=world) if x.shape[0] else (None,) * 3
+    geometry, filter_rest = resolved[0], resolved[2]
     needs_input_grad = torch.is_grad_enabled() and input.requires_grad
     fields = _call_fields(x, target_flat, bias, class_weight, options, dtype, grad_input, needs_input_grad)
     sizes, chunk_sizes = _agree(fields, weight.shape[0], geometry, group, world, x.device)

@@ -11,6 +11,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from flce_policy.engine.clock import Clock, clock_for
 from flce_policy.engine.config import (
     CONFIG_VERSION,
     ConfigError,
@@ -19,6 +20,7 @@ from flce_policy.engine.config import (
     load_yaml_text,
     parse_config,
 )
+from flce_policy.engine.measured_entry import MeasuredEntry, Trial
 from flce_policy.engine.planned import form_choice, planned_geometry
 from flce_policy.plan.collectives import comm_plan
 from flce_policy.plan.cost_model import predict_seconds
@@ -179,8 +181,10 @@ class FLCEPolicy:
         grad_weight_filter: float | None = None,
         grad_weight_filter_rescue: int | None = None,
         slab_form: str | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self.default_slab_form = checked_slab_form(slab_form, "FLCEPolicy: slab_form")
+        self.clock = clock
         self.default_grad_weight_filter = checked_filter_eps(grad_weight_filter)
         self.default_grad_weight_filter_rescue = checked_filter_rescue(grad_weight_filter_rescue)
         check_rescue_has_filter(self.default_grad_weight_filter, self.default_grad_weight_filter_rescue, "FLCEPolicy: ")
@@ -202,7 +206,7 @@ class FLCEPolicy:
         self.oom_fallback = oom_fallback
         self.min_chunk_size = min_chunk_size
         self.source = source
-        self._cache: dict[tuple[Problem, DeviceInfo], Geometry | _AskEachCall] = {}
+        self._cache: dict[tuple[Problem, DeviceInfo], Geometry | _AskEachCall | MeasuredEntry] = {}
         self._filter_rests: dict[tuple[Problem, DeviceInfo], FilterRest] = {}
         self._probed: DeviceInfo | None = None
         from flce_policy.engine.policy_keys import register_policy  # the compiled loss finds it by id
@@ -335,19 +339,52 @@ class FLCEPolicy:
         key = (problem, device)
         entry = self._cache.get(key) if isinstance(problem, Problem) else None  # a list is unhashable
         if entry is None:
-            _check_resolve_args(problem, device)
-            rule, strategy = self.resolve_rule(device)
-            eps, rescue = self._filter_for(device)
-            pin = self.slab_form_for(device)
-            entry = (
-                _AskEachCall(rule, strategy, grad_weight_filter=eps, grad_weight_filter_rescue=rescue, slab_form=pin)
-                if strategy.dynamic
-                else planned_geometry(strategy, problem, device, rule=rule, slab_form=pin).with_filter(eps, rescue)
-            )
+            entry = self._entry(problem, device)
             self._store(key, entry)
         if type(entry) is _AskEachCall:
             return entry.geometry(problem, device)
+        if type(entry) is MeasuredEntry:
+            return entry.resolve()
         return entry  # type: ignore[return-value]
+
+    def resolve_call(
+        self, problem: Problem, device: DeviceInfo, kind: str = ""
+    ) -> tuple[Geometry, OOMFallback | None, Trial | None]:
+        """What a loss call of ``problem`` on ``device`` runs: the geometry, its OOM fallback, and the trial that
+        times it while a ``measured`` strategy measures (None otherwise). ``kind``: the options of the call that
+        change its kernels (:func:`flce_policy.call.resolve.call_kind`), measured apart. One dict lookup more
+        than :meth:`resolve` per call."""
+        entry = self._cache.get((problem, device))
+        if entry is None:
+            self.resolve(problem, device)
+            entry = self._cache.get((problem, device))
+        if type(entry) is MeasuredEntry:
+            return entry.for_call(kind)
+        return self.resolve(problem, device), self.oom_fallback_for(problem, device), None
+
+    def _entry(self, problem: Problem, device: DeviceInfo) -> Geometry | _AskEachCall | MeasuredEntry:
+        """A new cache entry: the planned geometry, a dynamic strategy to ask each call, or a measured one's state."""
+        _check_resolve_args(problem, device)
+        rule, strategy = self.resolve_rule(device)
+        eps, rescue = self._filter_for(device)
+        pin = self.slab_form_for(device)
+        if strategy.dynamic:
+            return _AskEachCall(rule, strategy, grad_weight_filter=eps, grad_weight_filter_rescue=rescue, slab_form=pin)
+        clock = self.clock if self.clock is not None else clock_for(device)
+        if strategy.measures and clock is not None:
+            fallback = OOMFallback(self.min_chunk_size) if self.oom_fallback else None
+            return MeasuredEntry(
+                strategy, problem, device, rule=rule, slab_form=pin, grad_weight_filter=eps,
+                grad_weight_filter_rescue=rescue, fallback=fallback, clock=clock,
+            )  # fmt: skip
+        return planned_geometry(strategy, problem, device, rule=rule, slab_form=pin).with_filter(eps, rescue)
+
+    def measured_pick(self, problem: Problem, device: DeviceInfo, kind: str = "") -> tuple[Geometry, str] | None:
+        """A ``measured`` strategy's pick for ``problem`` on ``device`` known without measuring (in this process,
+        from its ``picks`` or the disk cache) and where it came from; None when there is none, or no measuring."""
+        self.resolve(problem, device)
+        entry = self._cache.get((problem, device))
+        return entry.known_pick(kind) if type(entry) is MeasuredEntry else None
 
     def remember(self, problem: Problem, device: DeviceInfo, geometry: Geometry) -> None:
         """Use ``geometry`` for ``problem`` on ``device`` from now on: what the OOM fallback calls.
@@ -362,6 +399,10 @@ class FLCEPolicy:
         rule, strategy = self.resolve_rule(device)
         eps, rescue = self._filter_for(device)
         geometry = geometry.with_filter(eps, rescue)
+        measured = self._cache.get((problem, device))
+        if type(measured) is MeasuredEntry:
+            measured.remember("", geometry)
+            return
         pin = self.slab_form_for(device)
         entry = _AskEachCall(rule, strategy, geometry, eps, rescue, pin) if strategy.dynamic else geometry
         self._store((problem, device), entry)
@@ -391,7 +432,7 @@ class FLCEPolicy:
         self._filter_rests.clear()
         self._probed = None
 
-    def _store(self, key: tuple[Problem, DeviceInfo], entry: Geometry | _AskEachCall) -> None:
+    def _store(self, key: tuple[Problem, DeviceInfo], entry: Geometry | _AskEachCall | MeasuredEntry) -> None:
         if len(self._cache) >= _CACHE_LIMIT and key not in self._cache:
             self._cache.clear()
         self._cache[key] = entry

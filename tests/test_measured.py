@@ -1,0 +1,371 @@
+"""The ``measured`` strategy on the CPU: the interpreter runs the kernels, a fake clock prices each geometry.
+
+The clock is the only thing faked: every call runs the real loss at the geometry the search chose, and each call's
+loss and gradients are compared, bit for bit, with a plain call given that geometry, and with an fp32 torch
+reference on explicit logits. The times are the test's own table, so the pick is known in advance (no timing is
+asserted). The disk cache lives in a temporary folder (``FLCE_POLICY_CACHE``).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import traceback
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import _warm_start
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from test_loss_kernel import NEEDS_KERNEL_DEVICE
+
+from flce_policy import FLCEPolicy, OOMFallbackWarning, fused_linear_cross_entropy
+from flce_policy.call import autograd
+from flce_policy.engine import pick_cache
+from flce_policy.kernels import KERNELS_INTERPRETED
+from flce_policy.kernels.driver import inject_oom
+from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.measuring import Search, candidate_rows, pick
+from flce_policy.plan.problem import Problem
+from flce_policy.strategies import Measured, StrategyError, strategy_from_config
+
+pytestmark = [
+    NEEDS_KERNEL_DEVICE,
+    pytest.mark.skipif(not KERNELS_INTERPRETED, reason="the fake clock stands in for CUDA events on the CPU"),
+]
+
+BT, H, V = 64, 16, 96
+ROWS = [8, 16, 32, 64]
+#: the fake clock's seconds per rows: 32 rows within 2% of 64's, 16 rows much slower (the search stops there)
+TIMES = {64: 1.0, 32: 1.01, 16: 1.5, 8: 2.0}
+
+
+class FakeClock:
+    """Prices a call from the geometry it ran (``seconds(geometry)``), and records each one it timed."""
+
+    def __init__(self, seconds=lambda g: TIMES[g.chunk_size]) -> None:
+        self.price = seconds
+        self.ran: list[Geometry] = []
+
+    def start(self, device):
+        return _FakeLap(self)
+
+
+class _FakeLap:
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+
+    def stop(self, geometry: Geometry) -> None:
+        self.geometry = geometry
+        self.clock.ran.append(geometry)
+
+    def seconds(self) -> float:
+        return self.clock.price(self.geometry)
+
+
+@pytest.fixture(autouse=True)
+def cache_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv(pick_cache.CACHE_ENV_VAR, str(tmp_path / "picks"))
+    pick_cache._warned.clear()
+    return tmp_path / "picks"
+
+
+@pytest.fixture
+def ran(monkeypatch):
+    """The geometry each loss call completed at, as the OOM fallback returned it."""
+    seen: list[Geometry] = []
+    real = autograd.run_with_oom_fallback
+
+    def recording(*args, **kwargs):
+        out, geometry = real(*args, **kwargs)
+        seen.append(geometry)
+        return out, geometry
+
+    monkeypatch.setattr(autograd, "run_with_oom_fallback", recording)
+    return seen
+
+
+def measured(**params) -> Measured:
+    return Measured(**{"max_slab": "1GiB", "rows": ROWS, **params})
+
+
+def inputs(seed: int, dtype: torch.dtype = torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(BT, H, generator=gen).to(dtype).requires_grad_()
+    w = (torch.randn(V, H, generator=gen) * 0.3).to(dtype).requires_grad_()
+    y = torch.randint(0, V, (BT,), generator=gen)
+    return x, w, y
+
+
+def loss_and_grads(x, w, y, policy):
+    x, w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    loss = fused_linear_cross_entropy(x, w, y, policy=policy)
+    loss.backward()
+    return loss.detach(), x.grad, w.grad
+
+
+def check_equal_to_plain(x, w, y, policy, geometry_seen):
+    """The call under ``policy`` equals a plain call at the geometry it ran, and the fp32 reference."""
+    loss, gx, gw = loss_and_grads(x, w, y, policy)
+    geometry = geometry_seen[-1]
+    plain = Geometry.for_problem(geometry.problem, geometry.chunk_size, slab_form=geometry.slab_form)
+    ref_loss, ref_gx, ref_gw = loss_and_grads(x, w, y, plain)
+    assert torch.equal(loss, ref_loss) and torch.equal(gx, ref_gx) and torch.equal(gw, ref_gw)
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    torch_loss = F.cross_entropy(xr @ wr.T, y)
+    torch_loss.backward()
+    torch.testing.assert_close(loss, torch_loss.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gw, wr.grad, rtol=1e-4, atol=1e-5)
+    return geometry
+
+
+# --- the core ----------------------------------------------------------------------------------------------
+
+
+def test_candidate_rows_are_powers_of_two_from_256_and_the_limit():
+    assert candidate_rows(16384) == (16384, 8192, 4096, 2048, 1024, 512, 256)
+    assert candidate_rows(3000) == (3000, 2048, 1024, 512, 256)  # BT itself when one chunk fits
+    assert candidate_rows(100) == (100,)
+    assert candidate_rows(64, rows=[8, 128, 16]) == (16, 8)
+
+
+def test_pick_is_the_smallest_slab_within_the_tolerance():
+    problem = Problem(tokens=4096, hidden=64, vocab=1024)
+    g = {rows: Geometry.for_problem(problem, rows) for rows in (512, 1024, 2048)}
+    assert pick({g[2048]: 1.00, g[1024]: 1.019, g[512]: 1.03}) == g[1024]
+    assert pick({g[2048]: 1.00, g[1024]: 1.021, g[512]: 1.03}) == g[2048]
+    assert pick({g[2048]: 1.10, g[1024]: 1.00, g[512]: 1.015}) == g[512]
+    rows_form = g[1024].with_slab_form("scaled_exp_rows")
+    assert pick({g[1024]: 1.00, rows_form: 0.99}) == rows_form  # equal slabs: the faster
+    with pytest.raises(ValueError):
+        pick({})
+
+
+def test_search_goes_down_each_form_until_one_is_slower():
+    problem = Problem(tokens=BT, hidden=H, vocab=V)
+    geometries = [Geometry.for_problem(problem, r) for r in (64, 32, 16, 8)]
+    search = Search(geometries, warmup_calls=1, timed_calls=2)
+    order = []
+    while (step := search.next()) is not None:
+        geometry, timed = step
+        order.append((geometry.chunk_size, timed))
+        search.record(geometry, TIMES[geometry.chunk_size] if timed else None)
+    assert order == [(64, False), (64, True), (64, True), (32, False), (32, True), (32, True)] + [
+        (16, False),
+        (16, True),
+        (16, True),
+    ]  # 16 rows is 1.5x: 8 rows is never run
+    assert search.pick().chunk_size == 32
+
+
+# --- the strategy ------------------------------------------------------------------------------------------
+
+
+def test_yaml_round_trip_and_errors():
+    strategy = strategy_from_config({"strategy": "measured", "cap": {"strategy": "memory_rule"}, "rows": [256]})
+    assert strategy_from_config(strategy.to_config()) == strategy
+    with pytest.raises(StrategyError, match="memory limit"):
+        Measured().validate_params()
+    with pytest.raises(StrategyError, match="timed_calls"):
+        Measured(max_slab="1GiB", timed_calls=0).validate_params()
+    with pytest.raises(StrategyError, match="slab_forms"):
+        Measured(max_slab="1GiB", slab_forms=["bogus"]).validate_params()
+
+
+def test_nothing_measures_without_a_clock_on_the_cpu(ran):
+    """The CPU is deterministic: the limit's geometry, every call."""
+    policy = FLCEPolicy(default=measured(), min_chunk_size=1)
+    x, w, y = inputs(0)
+    for _ in range(3):
+        loss_and_grads(x, w, y, policy)
+    assert [g.chunk_size for g in ran] == [64, 64, 64]
+
+
+# --- measuring on the calls --------------------------------------------------------------------------------
+
+
+def test_every_call_equals_a_plain_call_at_its_geometry_and_the_pick_is_kept(ran):
+    clock = FakeClock()
+    policy = FLCEPolicy(default=measured(), min_chunk_size=1, clock=clock)
+    rows = []
+    for step in range(12):
+        rows.append(check_equal_to_plain(*inputs(step), policy, ran).chunk_size)
+        del ran[:]
+    assert rows == [64, 64, 64, 32, 32, 32, 16, 16, 16, 32, 32, 32]
+    assert [g.chunk_size for g in clock.ran] == [64, 64, 64, 32, 32, 32, 16, 16, 16]  # nothing timed after the pick
+    assert policy.measured_pick(Problem(tokens=BT, hidden=H, vocab=V, dtype="float32"), _cpu())[0].chunk_size == 32
+
+
+def _cpu():
+    from flce_policy.plan.device import DeviceInfo
+
+    return DeviceInfo.cpu()
+
+
+def run_calls(policy, count, seed=0, dtype=torch.float32):
+    for step in range(count):
+        loss_and_grads(*inputs(seed + step, dtype), policy)
+
+
+def test_a_second_run_starts_from_the_cached_pick(cache_folder):
+    first = FakeClock()
+    run_calls(FLCEPolicy(default=measured(), min_chunk_size=1, clock=first), 10)
+    assert len(first.ran) == 9
+    files = list(cache_folder.glob("*.json"))
+    assert len(files) == 1
+    stored = json.loads(files[0].read_text())
+    assert (stored["chunk_size"], stored["slab_form"]) == (32, "logits")
+    assert stored["key"]["problem"] == f"{BT}x{H}x{V} float32 tp1"
+    second = FakeClock()
+    policy = FLCEPolicy(default=measured(), min_chunk_size=1, clock=second)
+    run_calls(policy, 3)
+    assert second.ran == []  # no measuring call
+    pick_, source = policy.measured_pick(Problem(tokens=BT, hidden=H, vocab=V, dtype="float32"), _cpu())
+    assert pick_.chunk_size == 32 and source.startswith("cache, measured ")
+
+
+def test_the_cache_key_holds_the_gpu_the_versions_the_problem_the_kind_and_the_strategy():
+    from flce_policy.plan.device import DeviceInfo
+
+    problem = Problem(tokens=BT, hidden=H, vocab=V)
+    key = pick_cache.pick_key(DeviceInfo.synthetic("H100"), problem, "", measured().params_key())
+    assert key.gpu == "NVIDIA H100 80GB HBM3"
+    assert key.total_memory_bytes == DeviceInfo.synthetic("H100").total_memory_bytes
+    assert key.torch == torch.__version__ and key.driver and key.triton and key.flce_policy
+    others = [
+        pick_cache.pick_key(DeviceInfo.synthetic("H200"), problem, "", measured().params_key()),
+        pick_cache.pick_key(DeviceInfo.synthetic("H100"), Problem(tokens=BT * 2, hidden=H, vocab=V), "", key.strategy),
+        pick_cache.pick_key(DeviceInfo.synthetic("H100"), problem, "bias", key.strategy),
+        pick_cache.pick_key(DeviceInfo.synthetic("H100"), problem, "", measured(max_slab="2GiB").params_key()),
+        key.model_copy(update={"triton": "0.0"}),
+    ]
+    assert len({pick_cache._path(k) for k in [key, *others]}) == 6
+
+
+@pytest.mark.parametrize("damage", ["garbage", "foreign", "bad_rows"])
+def test_a_corrupt_or_foreign_cache_file_is_ignored_with_one_warning(cache_folder, damage):
+    run_calls(FLCEPolicy(default=measured(), min_chunk_size=1, clock=FakeClock()), 10)
+    (path,) = cache_folder.glob("*.json")
+    data = json.loads(path.read_text())
+    if damage == "garbage":
+        path.write_text("{not json")
+    elif damage == "foreign":
+        data["key"]["torch"] = "0.0-elsewhere"
+        data["chunk_size"] = 8
+        path.write_text(json.dumps(data))
+    else:
+        data["chunk_size"] = -4
+        path.write_text(json.dumps(data))
+    clock = FakeClock()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_calls(FLCEPolicy(default=measured(), min_chunk_size=1, clock=clock), 10)
+        run_calls(FLCEPolicy(default=measured(), min_chunk_size=1, clock=FakeClock()), 1)
+    ours = [w for w in caught if issubclass(w.category, pick_cache.PickCacheWarning)]
+    assert len(ours) == 1, [str(w.message) for w in ours]
+    assert len(clock.ran) == 9  # measured again, never trusted
+    assert json.loads(path.read_text())["chunk_size"] == 32  # and rewritten
+
+
+def test_an_oom_during_measuring_drops_the_candidate_and_the_call_is_right(ran):
+    clock = FakeClock()
+    policy = FLCEPolicy(default=measured(), min_chunk_size=1, clock=clock)
+    rows = []
+    with inject_oom(above_rows=32), warnings.catch_warnings():
+        warnings.simplefilter("ignore", OOMFallbackWarning)
+        for step in range(8):
+            rows.append(check_equal_to_plain(*inputs(step), policy, ran).chunk_size)
+            del ran[:]
+    # 64 rows ran out of memory: that call completed at 32, and the search went on from 32 down
+    assert rows == [32, 32, 32, 32, 16, 16, 16, 32]
+    assert 64 not in {g.chunk_size for g in clock.ran}
+
+
+def test_the_forms_are_measured_and_a_rule_pins_one(ran):
+    """bf16 (the scaled-exp slab's forms need 16-bit logits): each form measured from its most rows down; the
+    scaled-exp rows slab 5% faster here, so kept."""
+    clock = FakeClock(lambda g: TIMES[g.chunk_size] * (0.95 if g.slab_form == "scaled_exp_rows" else 1.0))
+    policy = FLCEPolicy(default=measured(slab_forms=["logits", "scaled_exp_rows"]), min_chunk_size=1, clock=clock)
+    run_calls(policy, 20, dtype=torch.bfloat16)
+    assert [(g.chunk_size, g.slab_form[0]) for g in clock.ran[::3]] == [(64, "s"), (32, "s"), (16, "s")] + [
+        (64, "l"),
+        (32, "l"),
+        (16, "l"),
+    ]
+    assert (ran[-1].chunk_size, ran[-1].slab_form) == (32, "scaled_exp_rows")
+    pinned = FLCEPolicy(default=measured(), min_chunk_size=1, clock=FakeClock(), slab_form="scaled_exp_rows")
+    run_calls(pinned, 10, dtype=torch.bfloat16)
+    assert {g.slab_form for g in ran[-10:]} == {"scaled_exp_rows"}
+
+
+def test_a_strategy_given_to_the_loss_measures_in_its_own_policy(ran, monkeypatch):
+    # given directly there is no policy to hold a clock: on the CPU nothing measures, the limit runs
+    run_calls(measured(), 2)
+    assert [g.chunk_size for g in ran] == [64, 64]
+
+
+# --- several ranks -----------------------------------------------------------------------------------------
+
+WORLD_TIMEOUT_S = 300
+
+
+def _rank_worker(rank: int, port: int, out_dir: str, cache: str) -> None:
+    import os
+
+    import _interpreter_patch
+
+    _interpreter_patch.for_tests()
+    os.environ[pick_cache.CACHE_ENV_VAR] = cache
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=120)
+    )
+    result: dict = {}
+    try:
+        seen: list[Geometry] = []
+        real = autograd.run_with_oom_fallback
+
+        def recording(*args, **kwargs):
+            out, geometry = real(*args, **kwargs)
+            seen.append(geometry)
+            return out, geometry
+
+        autograd.run_with_oom_fallback = recording
+        # rank 1's clock would pick 16 rows; rank 0's picks 32: every rank must run rank 0's choices
+        times = TIMES if rank == 0 else {64: 3.0, 32: 2.0, 16: 1.0, 8: 1.2}
+        clock = FakeClock(lambda g: times[g.chunk_size])
+        policy = FLCEPolicy(default=measured(), min_chunk_size=1, clock=clock)
+        for step in range(12):
+            loss_and_grads(*inputs(step), policy)
+        result = {"rows": [g.chunk_size for g in seen], "timed": len(clock.ran)}
+    except Exception:  # noqa: BLE001 - reported to the test
+        result = {"error": traceback.format_exc()}
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+        dist.destroy_process_group()
+
+
+def test_rank_0_measures_and_every_rank_runs_its_choices(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = _warm_start.context()
+    procs = [
+        context.Process(target=_rank_worker, args=(r, port, str(tmp_path), str(tmp_path / "picks"))) for r in range(2)
+    ]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + WORLD_TIMEOUT_S
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+    results = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
+    for rank, result in enumerate(results):
+        assert "error" not in result, f"rank {rank}:\n{result['error']}"
+    expected = [64, 64, 64, 32, 32, 32, 16, 16, 16, 32, 32, 32]
+    assert results[0]["rows"] == results[1]["rows"] == expected
+    assert results[0]["timed"] == 9 and results[1]["timed"] == 0  # rank 1 follows, timing nothing
