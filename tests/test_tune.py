@@ -19,7 +19,7 @@ from flce_policy.engine.policy import FLCEPolicy
 from flce_policy.plan.device import DeviceInfo
 from flce_policy.plan.problem import Problem
 from flce_policy.plan.units import exact_size, parse_bytes
-from flce_policy.strategies import SlabBudget
+from flce_policy.strategies import Measured, SlabBudget
 
 GIB, MIB = 2**30, 2**20
 GEMMA = (8192, 5376, 262144)
@@ -108,6 +108,26 @@ def small_rows():
             ours(SMALL, 4096, 6.45, 0.65),
         ]
     )
+
+
+def test_tune_writes_what_measured_would_pick(tmp_path, capsys, monkeypatch):
+    """--strategy measured: a measured rule whose pick at the shape is the core's (the smallest slab within 2% of
+    the fastest over every form, here the scaled-exp slab 3% faster: 2048 rows, 105.2 ms against 4096 rows' 103.3;
+    equal slabs go to the warp-specialised form), its limit the largest slab that fit (4096 rows, 2 GiB)."""
+    from flce_policy.benchmarks import suite
+    from flce_policy.engine import probe
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(probe, "probe_device", lambda index=None: H200)
+    monkeypatch.setattr(suite, "run_suite", stub_suite(gemma_rows(), scaled_exp_slowdown=0.97))
+    out = tmp_path / "h200.yaml"
+    argv = ["tune", "--shapes", "8192x5376x262144", "--max-peak", "5GiB", "--strategy", "measured", "--out", str(out)]
+    code = main(argv)
+    assert code == 0, capsys.readouterr().err
+    rule = FLCEPolicy.from_yaml(out).rules[0]
+    pick = {"tokens": 8192, "hidden": 5376, "vocab": 262144, "chunk_size": 2048, "slab_form": "scaled_exp_ws"}
+    assert rule.strategy == Measured(max_slab="2GiB", picks=[pick]) and rule.slab_form is None
+    assert rule.strategy.seeded_pick(Problem(8192, 5376, 262144)) == (2048, "scaled_exp_ws")
 
 
 def test_chunk_sizes_are_powers_of_two_from_256_below_the_tokens():
@@ -373,7 +393,7 @@ def test_gpu_run_glue_with_a_stubbed_suite(tmp_path, capsys, monkeypatch):
     assert code == 0, err
     assert len(FLCEPolicy.from_yaml(out).rules) == 1
     warning = next(line for line in err.splitlines() if line.startswith("WARNING"))
-    assert "moves 20 other known GPU families from their packaged rules to the default HeuristicC(c=1)" in warning
+    assert "moves 20 other known GPU families from their packaged rules to the default Measured(" in warning
     assert "H100" in warning and "B200" in warning and "A100" in warning
 
 

@@ -123,7 +123,7 @@ def _master_dtype(text: str) -> str:
 
 def _build_parser() -> _Parser:
     parser = _Parser(prog="flce-policy", description="GPU-aware chunk geometry for fused linear cross-entropy.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{probe,explain,validate,bench,tune}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{probe,explain,validate,cache,bench,tune}")
 
     probe = sub.add_parser("probe", help="what the device probe sees, and which rule of the active policy applies")
     probe.add_argument("--config", metavar="FILE", help=f"policy YAML (default: ${CONFIG_ENV_VAR} or the packaged one)")
@@ -159,6 +159,11 @@ def _build_parser() -> _Parser:
     _add_problem_args(validate, model_default=_VALIDATE_MODEL)
     validate.add_argument("--json", action="store_true", help="JSON on stdout")
     validate.set_defaults(run=_cmd_validate)
+
+    cache = sub.add_parser("cache", help="the measured strategy's picks kept on disk: list or clear them")
+    cache.add_argument("action", choices=("list", "clear"), help="list the picks (and where), or delete them all")
+    cache.add_argument("--json", action="store_true", help="JSON on stdout")
+    cache.set_defaults(run=_cmd_cache)
 
     _add_passthrough(sub, "bench", "time and peak memory of FLCE methods on this GPU", _cmd_bench)
     _add_passthrough(
@@ -402,6 +407,44 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     title = f"what {args.file} picks on the known GPUs, beside the packaged policy"
     _print_table(policy, problem, devices, as_json=False, title=title, baseline=packaged)
     console.print(f"note: {args.file} {versus}")
+    return 0
+
+
+def _cmd_cache(args: argparse.Namespace) -> int:
+    """``cache list``: each pick file, its GPU, problem, kind of call, pick and when it was measured; ``cache
+    clear``: delete them (the next run measures again)."""
+    from flce_policy.engine import pick_cache
+
+    folder = pick_cache.cache_dir()
+    if args.action == "clear":
+        count = pick_cache.clear()
+        print(
+            json.dumps({"folder": str(folder), "deleted": count}) if args.json else f"deleted {count} picks in {folder}"
+        )
+        return 0
+    rows = []
+    for path, cached in pick_cache.entries():
+        row: dict[str, Any] = {"file": path.name}
+        if cached is None:
+            row["error"] = "not a pick this flce-policy wrote (ignored by the loss)"
+        else:
+            row.update(cached.key.model_dump(), chunk_size=cached.chunk_size, slab_form=cached.slab_form)
+            row.update(measured_at=cached.measured_at, times_ms=cached.times_ms)
+        rows.append(row)
+    if args.json:
+        _print_json({"folder": str(folder), "picks": rows})
+        return 0
+    table = Table(title=f"measured picks in {folder} ({len(rows)})")
+    for column in ("GPU", "problem", "kind", "pick", "measured", "versions"):
+        table.add_column(column)
+    for row in rows:
+        if "error" in row:
+            table.add_row(row["file"], "", "", row["error"], "", "")
+            continue
+        versions = f"torch {row['torch']}, triton {row['triton']}, driver {row['driver']}, ours {row['flce_policy']}"
+        pick = f"{row['chunk_size']} rows, {row['slab_form']}"
+        table.add_row(row["gpu"], row["problem"], row["kind"] or "plain", pick, row["measured_at"], versions)
+    _console().print(table)
     return 0
 
 

@@ -57,10 +57,11 @@ from flce_policy.engine.policy import DeviceRule, FLCEPolicy
 from flce_policy.plan.cost_model import DeviceRates, fit_rates, predict_seconds, rate_coefficients, rates_for
 from flce_policy.plan.device import DeviceInfo
 from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.measuring import FORM_ORDER, SMALLEST_CHUNK, TOLERANCE, candidate_rows, pick
 from flce_policy.plan.problem import Problem
 from flce_policy.plan.scaled_exp import is_scaled_exp, runnable_slab_form
 from flce_policy.plan.units import exact_size, format_bytes, parse_bytes
-from flce_policy.strategies import ChunkStrategy, Fastest, SlabBudget, StrategyError
+from flce_policy.strategies import ChunkStrategy, Fastest, Measured, SlabBudget, StrategyError
 from flce_policy.strategies.scaled_exp import on_slab_form
 
 __all__ = [
@@ -81,11 +82,6 @@ __all__ = [
 
 Shape = tuple[int, int, int]
 
-#: A slab is as good as the fastest fitting one at a shape when it runs within 2% of its time:
-#: about the run-to-run spread of a median of five on an H200, so a larger slab buys nothing sure.
-TOLERANCE = 0.02
-#: The smallest chunk measured; below it the GEMMs fall far from their floor (1.45x at 256 rows).
-SMALLEST_CHUNK = 256
 #: The slab form of each family of fixed-chunk rows (the benchmark's FIXED_FAMILIES, reversed).
 _FORM_OF_FAMILY = {family: form for form, family in FIXED_FAMILIES.items()}
 #: The scaled-exp forms tune measures, in the order that breaks a tie: the row-scaled one (no CE pass) first, then
@@ -125,12 +121,41 @@ class Choice:
 
 
 def chunk_sizes_for(tokens: int) -> tuple[int, ...]:
-    """Powers of two from :data:`SMALLEST_CHUNK` below ``tokens``; the one-chunk row adds ``tokens`` itself."""
-    sizes, chunk = [], SMALLEST_CHUNK
-    while chunk < tokens:
-        sizes.append(chunk)
-        chunk *= 2
-    return tuple(sizes)
+    """The measuring core's rows below ``tokens`` (powers of two from :data:`SMALLEST_CHUNK`), fewest first; the
+    one-chunk row adds ``tokens`` itself."""
+    return tuple(sorted(rows for rows in candidate_rows(tokens) if rows < tokens))
+
+
+def measured_strategy(
+    records: Iterable[Record], limits: Limits, device: DeviceInfo, dtype: str = "bfloat16"
+) -> Measured:
+    """``--strategy measured``: the ``measured`` strategy within ``--max-slab`` (else the largest slab that fit),
+    its ``picks`` at each shape what it would keep there (:func:`flce_policy.plan.measuring.pick` over the rows
+    that fit the limits, every form measured), so a cluster given the file measures only other problems."""
+    times: dict[Shape, dict[Geometry, float]] = {}
+    for record in records:
+        form = _FORM_OF_FAMILY.get(record.family)
+        if form not in FORM_ORDER or why_not(record, limits, dtype) is not None:  # the forms measured picks from
+            continue
+        problem = Problem(*record.shape, dtype=dtype)
+        geometry = Geometry.for_problem(problem, record.chunk_size, slab_form=form)  # type: ignore[arg-type]
+        times.setdefault(record.shape, {})[geometry] = record.median_ms  # type: ignore[assignment]
+    if not times:
+        raise ValueError(f"no measured row fits the limits ({limits.describe()}): nothing to pick")
+    picks = []
+    for (tokens, hidden, vocab), measured in sorted(times.items()):
+        kept = pick(measured)
+        picks.append(
+            {
+                "tokens": tokens,
+                "hidden": hidden,
+                "vocab": vocab,
+                "chunk_size": kept.chunk_size,
+                "slab_form": kept.slab_form,
+            }
+        )
+    slab = limits.max_slab or max(g.slab_bytes for shape in times.values() for g in shape)
+    return Measured(max_slab=exact_size(slab), picks=picks)
 
 
 def slab_forms_for(shape: Shape, device: DeviceInfo, dtype: str = "bfloat16") -> tuple[str, ...]:
@@ -298,8 +323,9 @@ def tuned_policy(
     rule = DeviceRule(
         rule_match(device),
         strategy or on_slab_form(SlabBudget(exact_size(choice.max_slab)), choice.slab_form),
-        # what was measured fastest: the logits slab stays pinned (the engine would otherwise choose the form)
-        slab_form="logits" if choice.slab_form == "logits" else None,
+        # what was measured fastest: the logits slab stays pinned (the engine would otherwise choose the form);
+        # measured picks its forms itself
+        slab_form="logits" if choice.slab_form == "logits" and not (strategy and strategy.measures) else None,
         grad_weight_filter=grad_weight_filter,
         grad_weight_filter_rescue=grad_weight_filter_rescue,
     )
@@ -487,10 +513,11 @@ def build_parser(prog: str) -> Parser:
     add_measurement_options(parser, with_defaults=True)
     parser.add_argument(
         "--strategy",
-        choices=("slab_budget", "fastest"),
+        choices=("slab_budget", "fastest", "measured"),
         default="slab_budget",
-        help="the rule to write: slab_budget at the measured best slab (default), or fastest with the "
-        "cost model calibrated on these measurements",
+        help="the rule to write: slab_budget at the measured best slab (default), fastest with the "
+        "cost model calibrated on these measurements, or measured with the pick it would keep at each shape "
+        "(the same measuring core: other problems are measured at run time)",
     )
     parser.add_argument(
         "--grad-weight-filter",
@@ -581,6 +608,8 @@ def run(args: argparse.Namespace) -> int:
         if args.strategy == "fastest":
             raise UsageError(f"cannot calibrate the cost model for --strategy fastest: {err}") from None
         about.append(f"cost model not calibrated: {err}")
+    if args.strategy == "measured":
+        strategy = measured_strategy(records, limits, device)  # its picks: every form, the same core's pick
     text = render(
         choice, records, limits, device=device, about=about, strategy=strategy, packaged_rules=args.packaged_rules,
         grad_weight_filter=args.grad_weight_filter, grad_weight_filter_rescue=args.grad_weight_filter_rescue,

@@ -503,12 +503,24 @@ class FLCEPolicy:
             "grad_weight_filter_rescue": geometry.grad_weight_filter_rescue,
             "slab_form": geometry.slab_form,
             "slab_form_reason": form_reason,
+            **self._measured_dict(problem, device, strategy),
             **_filter_times(geometry, rates),
             **tp,
         }
 
+    def _measured_dict(self, problem: Problem, device: DeviceInfo, strategy: ChunkStrategy) -> dict[str, Any]:
+        """explain's ``measured`` key for a strategy that measures: the pick known without measuring, or None."""
+        if not strategy.measures:
+            return {}
+        known = self.measured_pick(problem, device)
+        if known is None:
+            return {"measured": None}
+        geometry, source = known
+        return {"measured": {"chunk_size": geometry.chunk_size, "slab_form": geometry.slab_form, "source": source}}
+
     def explain(self, problem: Problem, device: DeviceInfo | None = None, *, master_dtype: str | None = None) -> str:
         """A readable account of the decision for ``problem`` on ``device`` (probed when None)."""
+        device = self._probe() if device is None else device
         d = self.explain_dict(problem, device, master_dtype=master_dtype)
         params = ", ".join(f"{k}={v!r}" for k, v in d["params"].items()) or "no parameters"
         when = "; asked again on every call (it reads free memory)" if d["dynamic"] else ""
@@ -527,6 +539,7 @@ class FLCEPolicy:
             ("Policy", d["policy"]),
             ("Rule", d["rule"]),
             ("Strategy", f"{d['strategy']} ({params}){when}"),
+            *([("Measured", _measured_note(d["measured"], device))] if "measured" in d else []),
             ("Chunk size", f"{d['chunk_size']} rows (last chunk {d['last_chunk_size']})"),
             ("Chunks", f"{d['num_chunks']} chunks over BT={problem.tokens}"),
             *(
@@ -587,6 +600,16 @@ class FLCEPolicy:
             f"grad_weight_filter_rescue={self.default_grad_weight_filter_rescue!r}, "
             f"slab_form={self.default_slab_form!r}, source={self.source!r})"
         )
+
+
+def _measured_note(measured: dict[str, Any] | None, device: DeviceInfo) -> str:
+    if measured is not None:
+        return f"{measured['chunk_size']} rows on the {measured['slab_form']} slab, from {measured['source']}"
+    if device.index is None and device.is_gpu:
+        return "on that GPU: its first calls of a problem time the candidates within the limit below"
+    if not device.is_gpu:
+        return "nothing is measured without a GPU: the limit below runs"
+    return "not yet: the first calls of this problem time the candidates within the limit below"
 
 
 def _filter_entry(eps: float | None, rescue: int | None) -> dict[str, float | int]:
