@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from flce_policy.plan.geometry import Geometry
 
-__all__ = ["Clock", "Lap", "CudaClock", "clock_for"]
+__all__ = ["Clock", "Lap", "CudaClock", "HostClock", "clock_for"]
 
 
 class Lap(Protocol):
@@ -62,3 +62,31 @@ def clock_for(device: Any) -> Clock | None:
     if not device.is_gpu or device.index is None:
         return None
     return _CUDA_CLOCK
+
+
+class HostClock:
+    """The host's clock around the call: for the CPU (the interpreter's smoke runs), where the work is done when the
+    call returns. Never chosen by default: nothing is measured on the CPU unless a policy is given a clock."""
+
+    def start(self, device: Any) -> Lap:
+        return _HostLap()
+
+    def __repr__(self) -> str:
+        return "HostClock()"
+
+
+class _HostLap:
+    __slots__ = ("begin", "end")
+
+    def __init__(self) -> None:
+        import time
+
+        self.begin = time.perf_counter()
+
+    def stop(self, geometry: Geometry) -> None:
+        import time
+
+        self.end = time.perf_counter()
+
+    def seconds(self) -> float:
+        return self.end - self.begin

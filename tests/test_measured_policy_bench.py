@@ -1,0 +1,63 @@
+"""The GPU benchmark of the measured policy (benchmarks/measured_policy.py), smoke-run on the CPU's interpreter.
+
+The CPU stands for an unknown GPU the same way (its own rule removed: the default, ``measured``, applies), timed by
+the host's clock; the checks' glue runs in this process (the fresh processes' side is the same function).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_loss_kernel import NEEDS_KERNEL_DEVICE
+
+from flce_policy.benchmarks import measured_policy as bench
+from flce_policy.benchmarks.methods import make_inputs
+from flce_policy.engine import pick_cache
+from flce_policy.kernels import KERNELS_INTERPRETED
+
+pytestmark = [NEEDS_KERNEL_DEVICE, pytest.mark.skipif(not KERNELS_INTERPRETED, reason="the CPU's smoke run")]
+
+
+@pytest.fixture(autouse=True)
+def cache_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv(pick_cache.CACHE_ENV_VAR, str(tmp_path / "picks"))
+
+
+def tiny():
+    return make_inputs(256, 16, 96, logit_std=4.0, dtype=torch.float32, device="cpu")
+
+
+def test_unknown_gpu_policy_drops_the_rules_naming_the_device():
+    from flce_policy import DeviceInfo
+
+    h100 = DeviceInfo.synthetic("H100")
+    policy = bench.unknown_gpu_policy(h100)
+    rule, strategy = policy.resolve_rule(h100)
+    assert "match *" in rule and strategy.measures  # the last rule: unknown cards of 80 GB and more
+    assert bench.unknown_gpu_policy(DeviceInfo.cpu()).resolve_rule(DeviceInfo.cpu())[0] == "default"
+
+
+def test_compare_shape_measures_then_times_both():
+    row = bench.compare_shape(tiny(), calls=2)
+    assert row["measuring_calls"] == 3  # one candidate under the CPU's limit: 1 untimed and 2 timed calls
+    assert row["pick_source"] == "measured" and row["pick"].startswith("1 chunks of 256 rows")
+    assert row["peak_within_limit"] and row["largest_slab_bytes"] <= row["limit_slab_bytes"]
+    assert row["ratio"] > 0
+
+
+def test_first_calls_and_a_second_process(monkeypatch, capsys):
+    def in_this_process(args, env):
+        monkeypatch.setenv(pick_cache.CACHE_ENV_VAR, env[pick_cache.CACHE_ENV_VAR])
+        ns = bench.build_parser().parse_args(args)
+        return bench.first_calls(bench._inputs(ns.inputs, ns.first_shape[0], torch.device("cpu")), ns.which, 6)
+
+    monkeypatch.setattr(bench, "_in_fresh_process", in_this_process)
+    argv = ["--checks", "first-calls", "--inputs", "random", "--first-shape", "256x16x96", "--first-calls", "6"]
+    assert bench.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    checks = report["first_calls"]
+    assert (checks["rule"]["measuring_calls"], checks["measured"]["measuring_calls"]) == (0, 3)
+    assert checks["second"]["measuring_calls"] == 0
+    assert report["goals_met"]["second_process_measures_nothing"] is True
