@@ -369,3 +369,30 @@ def test_rank_0_measures_and_every_rank_runs_its_choices(tmp_path):
     expected = [64, 64, 64, 32, 32, 32, 16, 16, 16, 32, 32, 32]
     assert results[0]["rows"] == results[1]["rows"] == expected
     assert results[0]["timed"] == 9 and results[1]["timed"] == 0  # rank 1 follows, timing nothing
+
+
+# --- explain and the cache command --------------------------------------------------------------------------
+
+
+def test_explain_shows_a_cached_pick_and_the_cache_command_lists_and_clears_it(cache_folder, capsys):
+    from flce_policy.cli import main
+    from flce_policy.plan.device import DeviceInfo
+
+    gpu = DeviceInfo.synthetic("L4").model_copy(update={"index": 0, "source": "nvml"})  # as probed
+    problem = Problem(tokens=8192, hidden=4096, vocab=128256)
+    policy = FLCEPolicy.packaged()
+    assert "Measured:    not yet" in policy.explain(problem, gpu)
+    strategy = policy.resolve_rule(gpu)[1]
+    geometry = Geometry.for_problem(problem, 256)
+    pick_cache.store(pick_cache.pick_key(gpu, problem, "", strategy.params_key()), geometry, {geometry: 0.0125})
+    text = FLCEPolicy.packaged().explain(problem, gpu)
+    assert "Measured:    256 rows on the logits slab, from cache, measured 20" in text
+    assert "Chunk size:  256 rows" in text
+    assert main(["cache", "list", "--json"]) == 0
+    (listed,) = json.loads(capsys.readouterr().out)["picks"]
+    assert (listed["gpu"], listed["chunk_size"]) == ("NVIDIA L4", 256)
+    assert listed["problem"] == "8192x4096x128256 bfloat16 tp1"
+    assert listed["times_ms"] == {"256 logits": 12.5}
+    assert main(["cache", "clear"]) == 0
+    assert "deleted 1 picks" in capsys.readouterr().out
+    assert "Measured:    not yet" in FLCEPolicy.packaged().explain(problem, gpu)
