@@ -20,6 +20,8 @@ from flce_policy.strategies import (
     FixedChunkSize,
     FreeMemory,
     HeuristicC,
+    Measured,
+    MemoryRule,
     ScaledExp,
     SlabBudget,
     StrategyError,
@@ -234,6 +236,8 @@ def test_builtins_are_registered_by_short_name():
         "fastest": Fastest,
         "scaled_exp": ScaledExp,
         "by_hidden": ByHidden,
+        "measured": Measured,
+        "memory_rule": MemoryRule,
     }
     assert strategy_class("slab_budget") is SlabBudget
 
@@ -246,7 +250,10 @@ def test_equality_compares_type_and_params():
 
 
 def test_unknown_strategy_name_lists_the_builtins():
-    with pytest.raises(StrategyError, match="fixed_chunk_size, free_memory, heuristic_c, scaled_exp, slab_budget"):
+    with pytest.raises(
+        StrategyError,
+        match="fixed_chunk_size, free_memory, heuristic_c, measured, memory_rule, scaled_exp, slab_budget",
+    ):
         strategy_from_config({"strategy": "heuristic"})
 
 

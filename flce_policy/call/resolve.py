@@ -84,10 +84,16 @@ def geometry_for(
 def call_kind(options: LossOptions, bias: torch.Tensor | None, wants: tuple[bool, bool]) -> str:
     """The options of a call that change what its kernels do, as a short string ("" for a plain training call:
     mean or sum, gradients of input and weight, nothing else): a ``measured`` strategy times each kind apart."""
+    return _kind(options, bias is not None, wants)
+
+
+@functools.lru_cache(maxsize=256)
+def _kind(options: LossOptions, bias: bool, wants: tuple[bool, bool]) -> str:
+    """call_kind's string, built once per distinct options (every call asks: a lookup, not a join)."""
     parts = [
         name
         for name, on in (
-            ("bias", bias is not None),
+            ("bias", bias),
             ("reduction none", options.reduction == "none"),
             ("label smoothing", bool(options.label_smoothing)),
             ("softcap", options.softcap is not None),

@@ -113,6 +113,7 @@ class MeasuredEntry:
         self.kinds: dict[str, Geometry | _KindSearch] = {}
         self.fallbacks: dict[str, OOMFallback | None] = {}
         self.sources: dict[str, str] = {}  # kind -> where its pick came from (explain)
+        self._resolved: Geometry | None = None  # resolve()'s answer, until a pick is kept
 
     # --- the hot path --------------------------------------------------------------------------
 
@@ -220,6 +221,7 @@ class MeasuredEntry:
     def _kept(self, kind: str, geometry: Geometry, source: str) -> Geometry:
         geometry = geometry.with_filter(*self.filter)
         self.kinds[kind] = geometry
+        self._resolved = None
         self.sources[kind] = source
         self.fallbacks[kind] = (
             None
@@ -255,9 +257,12 @@ class MeasuredEntry:
         return None if known is None else (known[0].with_filter(*self.filter), known[1])
 
     def resolve(self) -> Geometry:
-        """The plain kind's pick if known without measuring, else the limit's geometry (what explain shows)."""
-        known = self.known_pick()
-        return self.static if known is None else known[0]
+        """The plain kind's pick if known without measuring, else the limit's geometry (explain, a vocab-parallel
+        head, the compiled op: asked each call, so the disk is read once, until a pick is kept)."""
+        if self._resolved is None:
+            known = self.known_pick()
+            self._resolved = self.static if known is None else known[0]
+        return self._resolved
 
 
 def _to_message(decision: tuple) -> tuple:
