@@ -47,6 +47,7 @@ def fused_linear_cross_entropy(
     softcap_rounding: SoftcapRounding = "fp32",
     grad_weight_filter: float | None = None,
     grad_weight_filter_rescue: int | None = None,
+    slab_form: str | None = None,
 ) -> torch.Tensor | FLCEOutput:
     """``cross_entropy(input @ weight.T + bias, target)`` without materialising the logits.
 
@@ -73,7 +74,7 @@ def fused_linear_cross_entropy(
         softcap_rounding=softcap_rounding, z_loss_scale=z_loss_scale, return_z_loss=return_z_loss,
         return_token_accuracy=return_token_accuracy, accum_dtype=accum_dtype, use_token_scaling=use_token_scaling,
         return_predicted_tokens=return_predicted_tokens, return_entropy=return_entropy,
-        grad_weight_filter=grad_weight_filter, grad_weight_filter_rescue=grad_weight_filter_rescue,
+        grad_weight_filter=grad_weight_filter, grad_weight_filter_rescue=grad_weight_filter_rescue, slab_form=slab_form,
     )  # fmt: skip
     compute_dtype = autocast_dtype(input, weight, bias)
     call = LossCall(input, weight, target, bias, class_weight, policy, options, tp_group, tp_grad_input, compute_dtype)

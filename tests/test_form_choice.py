@@ -195,3 +195,32 @@ def test_by_hidden_splits_at_its_hidden_size_and_round_trips():
         ByHidden(0, small=SlabBudget("1GiB"), large=SlabBudget("1GiB")).validate_params()
     with pytest.raises(StrategyError, match="small must be a strategy"):
         ByHidden(3072, small=None, large=SlabBudget("1GiB")).validate_params()
+
+
+def test_the_loss_keyword_pins_the_form_of_one_call():
+    import torch
+
+    from flce_policy import fused_linear_cross_entropy
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 32, dtype=torch.bfloat16)
+    w = (torch.randn(256, 32) * 0.5).to(torch.bfloat16)
+    y = torch.randint(0, 256, (64,))
+    reference = torch.nn.functional.cross_entropy(x.float() @ w.float().t(), y)
+
+    def run(**kwargs):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = fused_linear_cross_entropy(xs, ws, y, **kwargs)
+        loss.backward()
+        return loss.detach(), xs.grad, ws.grad
+
+    strategy = FixedChunkSize(16)
+    keyword = run(policy=strategy, slab_form="scaled_exp_rows")
+    policy_pin = run(policy=FLCEPolicy(default=strategy, slab_form="scaled_exp_rows"))
+    logits = run(policy=strategy)  # the CPU's own pick: the logits slab
+    for got, want in zip(keyword, policy_pin, strict=True):
+        assert torch.equal(got, want)
+    assert not all(torch.equal(a, b) for a, b in zip(keyword[1:], logits[1:], strict=True))  # another form ran
+    assert torch.allclose(keyword[0], reference, rtol=2e-2)
+    with pytest.raises(ValueError, match="slab_form must be one of logits"):
+        run(policy=strategy, slab_form="exp")

@@ -239,7 +239,9 @@ def test_packaged_default_on_gemma(no_env):
     assert policy == FLCEPolicy.packaged()
     on_h100 = policy.resolve(GEMMA, H100)
     on_h200 = policy.resolve(GEMMA, H200)
-    assert on_h100.slab_bytes <= 512 * MIB  # 1 GiB OOMed on 80 GB cards
+    # measured on the H100: 2 GiB (4096 rows) runs 1.00-1.02x the floor; where it does not fit (the field report's
+    # saturation) the OOM fallback halves it (docs/results.md, H100)
+    assert on_h100.slab_bytes == 2 * GIB and on_h100.slab_form == "scaled_exp_rows"
     assert on_h200.slab_bytes >= on_h100.slab_bytes
     assert policy.resolve(GEMMA, DeviceInfo.synthetic("B300")).slab_bytes >= on_h200.slab_bytes
     # no GPU: Liger's c=1, 256 rows (see test_constructor_defaults_to_liger_c1)

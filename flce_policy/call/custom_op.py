@@ -82,7 +82,7 @@ _FIELDS = (
     "policy_key", "rows", "vocab_chunk", "accum", "slab_form",
     "reduction", "ignore_index", "label_smoothing", "softcap", "softcap_rounding", "z_loss_scale",
     "token_accuracy", "predicted_tokens", "token_scaling", "accum_dtype", "entropy", "grad_weight_filter",
-    "grad_weight_filter_rescue", "compute_dtype", "want_input", "want_weight", "want_bias",
+    "grad_weight_filter_rescue", "slab_form_pin", "compute_dtype", "want_input", "want_weight", "want_bias",
 )  # fmt: skip
 _DTYPE_FIELDS = ("accum_dtype", "compute_dtype")
 
@@ -152,6 +152,7 @@ def _decode(config: str) -> _Config:
         return_entropy=values["entropy"],
         grad_weight_filter=values["grad_weight_filter"],
         grad_weight_filter_rescue=values["grad_weight_filter_rescue"],
+        slab_form=values["slab_form_pin"],
     )
     return _Config(
         policy=(values["policy_key"], values["rows"], values["vocab_chunk"], values["accum"], values["slab_form"]),
@@ -428,7 +429,7 @@ def compiled_loss(
         None if options.softcap is None else float(options.softcap), options.softcap_rounding,
         float(options.z_loss_scale), options.return_token_accuracy, options.return_predicted_tokens,
         options.use_token_scaling, options.accum_dtype, options.return_entropy, grad_weight_filter, rescue,
-        compute_dtype, *wants,
+        options.slab_form, compute_dtype, *wants,
     )  # fmt: skip
     out = _CompiledLoss.apply(x, weight, bias, target, class_weight, config, options.reduction == "none", wants)
     loss, z_loss, accuracy, predicted = out[:4]

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from flce_policy.plan.form_choice import checked_slab_form
 from flce_policy.plan.weight_filter import checked_filter_eps, checked_filter_rescue
 
 if TYPE_CHECKING:
@@ -84,6 +85,10 @@ class LossOptions:
     #: is dropped) and some noise in each call's grad_weight. None (default): the policy rule's (none unless a
     #: rule sets one). Needs a filter eps (the call's or the rule's): ValueError without one.
     grad_weight_filter_rescue: int | None = None
+    #: pins the slab form of this call (one of ``"logits"``, ``"scaled_exp"``, ``"scaled_exp_rows"``,
+    #: ``"scaled_exp_ws"``; where the GPU or the call cannot run it, the next one down), over the policy's choice
+    #: (:mod:`flce_policy.plan.form_choice`). None (default): the policy's.
+    slab_form: str | None = None
     #: Set by the loss for a vocab-parallel head (``tp_group``, or a ``Shard(0)`` DTensor weight):
     #: this rank's :class:`flce_policy.kernels.vocab_shard.VocabShard`. Not a caller's option.
     vocab_shard: Any = None
@@ -111,6 +116,7 @@ class LossOptions:
         ):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        checked_slab_form(self.slab_form, "slab_form")
         object.__setattr__(self, "grad_weight_filter", checked_filter_eps(self.grad_weight_filter))
         object.__setattr__(self, "grad_weight_filter_rescue", checked_filter_rescue(self.grad_weight_filter_rescue))
         if self.accum_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):

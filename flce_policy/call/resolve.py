@@ -19,6 +19,7 @@ from flce_policy.engine import probe
 from flce_policy.engine.policy import CONFIG_ENV_VAR, FLCEPolicy
 from flce_policy.engine.strategy_cache import strategy_geometry
 from flce_policy.kernels.tma import tma_device
+from flce_policy.plan.form_choice import pinned_slab_form
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.oom import DEFAULT_OOM_FALLBACK
 from flce_policy.plan.problem import Problem
@@ -110,6 +111,8 @@ def _kind(options: LossOptions, bias: bool, wants: tuple[bool, bool]) -> str:
         parts.append(f"filter {options.grad_weight_filter:g}")
     if options.accum_dtype is not None:
         parts.append(f"accum {str(options.accum_dtype).removeprefix('torch.')}")
+    if options.slab_form is not None:
+        parts.append(f"form {options.slab_form}")  # the call pins it: measured over rows alone
     return ", ".join(parts)
 
 
@@ -120,12 +123,24 @@ def _policy_around(strategy: ChunkStrategy) -> FLCEPolicy:
     return FLCEPolicy(default=strategy, source=f"policy={strategy!r}")
 
 
-def geometry_for_call(geometry: Geometry, softcap: float | None, device: torch.device) -> Geometry:
-    """``geometry``, or its copy on the logits slab where it asks for the scaled-exp slab and the call
-    (:func:`flce_policy.plan.scaled_exp.call_routing`) or the device (TMA: Hopper or later) cannot run it."""
+def geometry_for_call(
+    geometry: Geometry, softcap: float | None, device: torch.device, slab_form: str | None = None
+) -> Geometry:
+    """``geometry`` in the form the call pins (``slab_form``; None: the geometry's), or its copy on the logits slab
+    where it asks for the scaled-exp slab and the call (:func:`flce_policy.plan.scaled_exp.call_routing`) or the
+    device (TMA: Hopper or later) cannot run it."""
+    if slab_form is not None and slab_form != geometry.slab_form:
+        geometry = _pinned(geometry, slab_form, device)
     if not is_scaled_exp(geometry.slab_form) or (call_routing(softcap) is None and tma_device(device)):
         return geometry
     return _on_logits_slab(geometry)
+
+
+@functools.lru_cache(maxsize=256)
+def _pinned(geometry: Geometry, slab_form: str, device: torch.device) -> Geometry:
+    return geometry.with_slab_form(
+        pinned_slab_form(slab_form, geometry, probe.device_for_tensor_device(device)).slab_form
+    )
 
 
 @functools.lru_cache(maxsize=256)
