@@ -71,28 +71,3 @@ def test_the_h200_gives_small_heads_a_5gib_slab_and_the_large_heads_the_rule_sla
     assert policy.resolve(Problem(4096, 1152, 262144), h200).chunk_size == 4096  # BT caps it
     assert policy.resolve(Problem(16384, 3080, 262144), h200).chunk_size == 4096  # over ws_max_hidden: 2 GiB
     assert policy.resolve(Problem(32768, 4096, 128256), h200).chunk_size == 8192  # 1.96 GiB
-
-
-def test_every_gpu_without_a_measured_rule_measures_within_its_derived_rule():
-    """The issue's rule: measured rules (H200, H100) stay; every other known GPU, and an unknown one, measures;
-    the limit is the derived rule (checked above, as the geometry that runs where nothing measures)."""
-    policy = FLCEPolicy.packaged()
-    for gpu in KNOWN_GPUS:
-        strategy = policy.resolve_rule(DeviceInfo.synthetic(gpu.family))[1]
-        assert strategy.measures == (gpu.family not in ("H200", "H100")), gpu.family
-    assert policy.default_strategy.measures
-    rule, cpu = policy.resolve_rule(DeviceInfo.cpu())
-    assert not cpu.measures and cpu.get_params() == {"c": 1}  # the CPU: deterministic, Liger's c=1
-
-
-@pytest.mark.parametrize("total_gib", [24, 48, 79, 80, 96, 141, 288])
-def test_an_unknown_gpu_measures_within_the_memory_rule(total_gib):
-    unknown = DeviceInfo(name="NVIDIA Future GPU", family="unknown", total_memory_bytes=total_gib * GIB, source="nvml")
-    policy = FLCEPolicy.packaged()
-    large = policy.resolve(Problem(65536, 5376, 262144), unknown)
-    small = policy.resolve(Problem(65536, 1024, 131072), unknown)
-    budget = rule_budget(unknown.total_memory_bytes)
-    if unknown.total_memory_bytes >= EIGHTY_GB:
-        assert large.slab_bytes == max(2 * GIB, budget) and small.slab_bytes == max(4 * GIB, budget)
-    else:
-        assert large.rule == "default" and large.slab_bytes == small.slab_bytes == budget

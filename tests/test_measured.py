@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from test_loss_kernel import NEEDS_KERNEL_DEVICE
 
-from flce_policy import FLCEPolicy, OOMFallbackWarning, fused_linear_cross_entropy
+from flce_policy import DeviceRule, FLCEPolicy, OOMFallbackWarning, fused_linear_cross_entropy
 from flce_policy.call import autograd
 from flce_policy.engine import pick_cache
 from flce_policy.kernels import KERNELS_INTERPRETED
@@ -31,7 +31,7 @@ from flce_policy.kernels.driver import inject_oom
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.measuring import Search, candidate_rows, pick
 from flce_policy.plan.problem import Problem
-from flce_policy.strategies import Measured, StrategyError, strategy_from_config
+from flce_policy.strategies import Measured, SlabBudget, StrategyError, strategy_from_config
 
 pytestmark = [
     NEEDS_KERNEL_DEVICE,
@@ -380,12 +380,15 @@ def test_explain_shows_a_cached_pick_and_the_cache_command_lists_and_clears_it(c
 
     gpu = DeviceInfo.synthetic("L4").model_copy(update={"index": 0, "source": "nvml"})  # as probed
     problem = Problem(tokens=8192, hidden=4096, vocab=128256)
-    policy = FLCEPolicy.packaged()
-    assert "Measured:    not yet" in policy.explain(problem, gpu)
-    strategy = policy.resolve_rule(gpu)[1]
+
+    def policy() -> FLCEPolicy:  # the L4 measured within its packaged slab
+        return FLCEPolicy(rules=[DeviceRule("L4", Measured(cap=SlabBudget("128MiB")))])
+
+    assert "Measured:    not yet" in policy().explain(problem, gpu)
+    strategy = policy().resolve_rule(gpu)[1]
     geometry = Geometry.for_problem(problem, 256)
     pick_cache.store(pick_cache.pick_key(gpu, problem, "", strategy.params_key()), geometry, {geometry: 0.0125})
-    text = FLCEPolicy.packaged().explain(problem, gpu)
+    text = policy().explain(problem, gpu)
     assert "Measured:    256 rows on the logits slab, from cache, measured 20" in text
     assert "Chunk size:  256 rows" in text
     assert main(["cache", "list", "--json"]) == 0
@@ -395,4 +398,4 @@ def test_explain_shows_a_cached_pick_and_the_cache_command_lists_and_clears_it(c
     assert listed["times_ms"] == {"256 logits": 12.5}
     assert main(["cache", "clear"]) == 0
     assert "deleted 1 picks" in capsys.readouterr().out
-    assert "Measured:    not yet" in FLCEPolicy.packaged().explain(problem, gpu)
+    assert "Measured:    not yet" in policy().explain(problem, gpu)

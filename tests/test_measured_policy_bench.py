@@ -35,8 +35,9 @@ def test_unknown_gpu_policy_drops_the_rules_naming_the_device():
     h100 = DeviceInfo.synthetic("H100")
     policy = bench.unknown_gpu_policy(h100)
     rule, strategy = policy.resolve_rule(h100)
-    assert "match *" in rule and strategy.measures  # the last rule: unknown cards of 80 GB and more
-    assert bench.unknown_gpu_policy(DeviceInfo.cpu()).resolve_rule(DeviceInfo.cpu())[0] == "default"
+    assert rule == "default" and strategy.measures  # no rule names it: measured within the H100's rule
+    assert strategy.get_params()["cap"]["strategy"] == "by_hidden"
+    assert not bench.unknown_gpu_policy(DeviceInfo.cpu()).resolve_rule(DeviceInfo.cpu())[1].measures
 
 
 def test_compare_shape_measures_then_times_both():
