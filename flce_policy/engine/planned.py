@@ -8,6 +8,8 @@ form, or the next one down where it cannot run.
 
 from __future__ import annotations
 
+import functools
+
 from flce_policy.plan.device import DeviceInfo
 from flce_policy.plan.form_choice import FormChoice, choose_slab_form, pinned_slab_form
 from flce_policy.plan.geometry import Geometry
@@ -38,4 +40,10 @@ def planned_geometry(
 ) -> Geometry:
     """``strategy``'s geometry for ``problem`` on ``device``, in the form :func:`form_choice` gives."""
     geometry = checked_geometry(strategy, problem, device, rule=rule)
-    return geometry.with_slab_form(form_choice(strategy, geometry, device, slab_form).slab_form)
+    return _in_form(geometry, form_choice(strategy, geometry, device, slab_form).slab_form)
+
+
+@functools.lru_cache(maxsize=1024)
+def _in_form(geometry: Geometry, slab_form: str) -> Geometry:
+    """``geometry`` on ``slab_form``'s slab, validated once per distinct geometry (a dynamic strategy asks per call)."""
+    return geometry.with_slab_form(slab_form)

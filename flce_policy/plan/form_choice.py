@@ -17,12 +17,13 @@ cannot run. Both say why.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 from .cost_model import DeviceRates, predict_seconds
 from .device import TMA_COMPUTE_CAPABILITY, DeviceInfo
 from .geometry import Geometry
-from .scaled_exp import SLAB_FORMS, WS_COMPUTE_CAPABILITY, scaled_exp_unsupported
+from .scaled_exp import SLAB_FORMS, WS_COMPUTE_CAPABILITY, runnable_slab_form, scaled_exp_unsupported
 
 __all__ = [
     "checked_slab_form",
@@ -85,8 +86,10 @@ def slab_form_candidates(geometry: Geometry, device: DeviceInfo) -> dict[str, st
     }
 
 
+@functools.lru_cache(maxsize=1024)
 def choose_slab_form(geometry: Geometry, device: DeviceInfo, rates: DeviceRates) -> FormChoice:
-    """The fastest form ``geometry``'s rows can run on ``device`` at ``rates``, and why."""
+    """The fastest form ``geometry``'s rows can run on ``device`` at ``rates``, and why (once per distinct
+    arguments: a dynamic strategy's geometry is planned on every call)."""
     if device.family == "cpu":
         # no GPU: the kernels run in Triton's interpreter, for tests; a pin (or a strategy's form) runs another
         return FormChoice("logits", "no GPU: the logits slab (a pinned form runs under the interpreter)")
@@ -103,18 +106,12 @@ def choose_slab_form(geometry: Geometry, device: DeviceInfo, rates: DeviceRates)
 def pinned_slab_form(slab_form: str, geometry: Geometry, device: DeviceInfo) -> FormChoice:
     """``slab_form`` where ``geometry`` can run it on ``device``, else the next form down that can, and why."""
     checked_slab_form(slab_form, "slab_form")
-    if slab_form == "logits":
-        return FormChoice("logits", "pinned")
-    why_not = _why_not_scaled_exp(geometry, device)
-    if why_not is not None:
-        return FormChoice("logits", f"pinned {slab_form}, runs logits: {why_not}")
-    capability = device.compute_capability
-    if slab_form == "scaled_exp_ws" and capability is not None and capability != WS_COMPUTE_CAPABILITY:
-        # a pin keeps the warp-specialised GEMM at any hidden size; only a GPU without it moves down
-        return FormChoice(
-            "scaled_exp_rows", f"pinned scaled_exp_ws, runs scaled_exp_rows: {_why_not_ws(geometry, device)}"
-        )
-    return FormChoice(slab_form, "pinned")
+    # a pin keeps the warp-specialised GEMM at any hidden size; only a GPU without it moves down
+    runs = runnable_slab_form(slab_form, geometry.problem, geometry.vocab_chunk, device)
+    if runs == slab_form:
+        return FormChoice(slab_form, "pinned")
+    why_not = _why_not_scaled_exp(geometry, device) if runs == "logits" else _why_not_ws(geometry, device)
+    return FormChoice(runs, f"pinned {slab_form}, runs {runs}: {why_not}")
 
 
 def checked_slab_form(slab_form: Any, what: str) -> str | None:
