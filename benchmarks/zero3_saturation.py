@@ -324,6 +324,7 @@ def run_child(tokens: int, steps: int, wrapper: str) -> dict:
         if saturate is not None:
             saturate.leave = measured.get("leave") if saturated else None
             saturate.head_ms.clear()
+            saturate.need = None  # this case's, not the last one's
         ran.clear()
         record: dict = {"case": name, "saturated": saturated}
         times, loss = [], None
