@@ -35,7 +35,7 @@ MARKDOWN_LINK = re.compile(r"\]\(([^)\s]+)\)")
 DOC_ANCHOR = re.compile(r"\b((?:docs/)?[\w-]+\.md)#([\w-]+)")
 
 README_MAX_CHARS = 6000
-DOCS_MAX_BYTES = 120 * 1024  # docs/*.md and benchmarks/README.md
+DOCS_MAX_BYTES = 120_000  # docs/*.md and benchmarks/README.md: the 120 KB
 RESULTS_MAX_FILES = 120
 RESULTS_MAX_BYTES = 3 * 1024**2
 PACKAGED_YAML_MAX_LINES = 120
