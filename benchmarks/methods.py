@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 __all__ = [
     "FIXED_FAMILIES",
     "FLOOR",
+    "OVERLAP_FAMILY",
     "PEER_DEFAULTS",
     "Inputs",
     "Method",
@@ -39,6 +40,7 @@ __all__ = [
     "default_methods",
     "fixed_chunk_methods",
     "make_inputs",
+    "overlap_chunk_methods",
     "planned_vocab_chunk",
     "predicted_peak",
     "select_methods",
@@ -73,6 +75,8 @@ FIXED_FAMILIES = {
 }
 #: The family of the fixed-chunk rows in the form the engine chooses.
 AUTO_FAMILY = "ours fixed auto"
+#: The family of the fixed logits-slab rows with grad_weight's GEMM on a side stream (Geometry.overlap_weight_grad).
+OVERLAP_FAMILY = "ours fixed overlap"
 #: The peak limit of the lean Fastest row: under liger-kernel fp32 (8.20 GiB at 32768x5376x262144)
 #: by 5 GiB, and within it the two bf16 gradients (2.95 GiB there) and a 256 MiB slab.
 LEAN_PEAK = "3276MiB"
@@ -275,6 +279,32 @@ def fixed_chunk_methods(chunk_sizes: tuple[int, ...], accum: str, slab_form: str
     return methods
 
 
+def _overlap_plan(chunk: int, problem: Problem, device: DeviceInfo) -> Geometry:
+    """The fixed logits-slab row's geometry at ``chunk`` rows, grad_weight's GEMM on a side stream."""
+    return _fixed_plan(chunk, "logits", problem, device).with_overlap_weight_grad()
+
+
+def _overlap_for_inputs(chunk: int, inputs: Inputs) -> Geometry:
+    tokens, hidden, vocab = inputs.shape
+    return _overlap_plan(chunk, Problem(tokens, hidden, vocab, dtype=inputs.x.dtype), DeviceInfo.cpu())
+
+
+def overlap_chunk_methods(chunk_sizes: tuple[int, ...]) -> list[Method]:
+    """The rows ``ours_overlap_chunk{N}_bf16`` (family :data:`OVERLAP_FAMILY`): ``ours_chunk{N}_bf16``'s geometry
+    with each chunk's grad_weight GEMM beside its grad_input GEMM on a second CUDA stream. No one-chunk row: its
+    only grad_weight GEMM writes once (beta=0), with no read-modify-write of [V, H] to hide."""
+    return [
+        Method(
+            f"ours_overlap_chunk{chunk}_bf16",
+            OVERLAP_FAMILY,
+            ours(partial(_overlap_for_inputs, chunk)),
+            chunk_size=chunk,
+            plan=partial(_overlap_plan, chunk),
+        )
+        for chunk in chunk_sizes
+    ]
+
+
 def _vocab_tiled_plan(vocab_chunk: int, problem: Problem, device: DeviceInfo) -> Geometry:
     """One row chunk of all BT rows, vocab tiles of ``vocab_chunk`` (capped at V)."""
     return Geometry.for_problem(problem, problem.tokens, vocab_chunk=min(vocab_chunk, problem.vocab))
@@ -349,6 +379,8 @@ def default_methods(
     # the same rows on the other slab forms (bf16): where the forms cross over, and the engine's choice among them
     for form in ("scaled_exp_rows", "scaled_exp_ws", None):
         methods += fixed_chunk_methods(chunk_sizes, "bf16", form)
+    # the logits rows with grad_weight's GEMM on a side stream (unmeasured: the next GPU run compares them)
+    methods += overlap_chunk_methods(chunk_sizes)
     # Vocab-tiled, one row chunk: each grad_weight slice written once (fp32-accurate, bf16 memory).
     for vocab_chunk in vocab_chunks:
         methods.append(

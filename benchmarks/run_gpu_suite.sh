@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU half of the project, in one script, for the H200 the device tool lends:
 #   bash benchmarks/run_gpu_suite.sh [tests] [bench] [smallheads] [smallheads-busy] [compile] [hf] [sharded] [trained] [convergence]
-#     [quick METHODS SHAPES...]
+#     [overlap] [quick METHODS SHAPES...]
 # (smallheads: the small- and large-head shape sets against QuACK and Liger, and the accuracy table;
 # QuACK is installed by benchmarks/install_quack.sh from $QUACK_WHEELS (default .whl/quack/; its largest wheel
 # may come as split parts) when it is not importable, without them its rows say it is not installed; smallheads-busy: the same
@@ -13,7 +13,10 @@
 # benchmarks/trained_inputs.py, report its logits, then bench issue 26's methods on its held-out inputs, all in
 # $OUT/trained — one call, since the cache it builds lives on the machine only, and the same rows on
 # random logits, then the rescue schemes priced on those inputs (benchmarks/rescue_schemes.py); convergence: the model trained with grad_weight_filter off and on, alternating, CONVERGENCE_RUNS_PER_ARM (2) each,
-# CONVERGENCE_STEPS steps each, at CONVERGENCE_FILTER (default 2**-12), with CONVERGENCE_RESCUE's rescue if set)
+# CONVERGENCE_STEPS steps each, at CONVERGENCE_FILTER (default 2**-12), with CONVERGENCE_RESCUE's rescue if set;
+# overlap: the logits rows at 256, 512, 1024 and 2048 rows with and without grad_weight's GEMM on a side stream
+# (Geometry.overlap_weight_grad), with bench --busy-start, interleaved, 7 repeats, at 8192x5376x262144 and
+# 32768x5376x262144, then tests/test_gpu_overlap_weight_grad.py)
 # Expects wheels in .whl/ (ours, built with `python -m build --wheel -o .whl`, plus the peers
 # liger-kernel and cut-cross-entropy, and pydantic's wheels where the machine lacks it: benchmarks/README.md); installs
 # them into /tmp/site and runs from outside the
@@ -112,6 +115,14 @@ while [ $# -gt 0 ]; do
       # trainings of the trained-inputs model from one seed, filter off and on ($CONVERGENCE_FILTER, 2**-12 by default) alternating, 2 of each by default
       python3 -m flce_policy.benchmarks.convergence --out "$out/convergence" ${CONVERGENCE_STEPS:+--steps "$CONVERGENCE_STEPS"} ${CONVERGENCE_RUNS_PER_ARM:+--runs-per-arm "$CONVERGENCE_RUNS_PER_ARM"} ${CONVERGENCE_FILTER:+--filter "$CONVERGENCE_FILTER"} ${CONVERGENCE_RESCUE:+--rescue "$CONVERGENCE_RESCUE"} \
         2>&1 | tee "$out/convergence.log" || status=1
+      shift ;;
+    overlap)
+      rows=()
+      for chunk in 256 512 1024 2048; do rows+=("ours_chunk${chunk}_bf16" "ours_overlap_chunk${chunk}_bf16"); done
+      python3 -m flce_policy.cli bench --busy-start --interleave --repeats 7 --shapes 8192x5376x262144 32768x5376x262144 \
+        --methods "${rows[@]}" --out "$out/overlap" 2>&1 | tee "$out/overlap.log" || status=1
+      TRITON_INTERPRET=0 python3 -m pytest "$repo/tests/test_gpu_overlap_weight_grad.py" -m gpu -s -q -p no:cacheprovider 2>&1 \
+        | tee "$out/gpu_overlap_tests.log" || status=1
       shift ;;
     quick)
       python3 -m flce_policy.benchmarks.quick "$2" "${@:3}" 2>&1 | tee "$out/quick.log" || status=1

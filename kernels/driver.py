@@ -4,7 +4,8 @@ Per chunk: logits = x_c @ W.T (+ b) into the reused slab (or, with ``geometry.sl
 exp(z - m) per column tile and the CE partials from a Triton GEMM: :mod:`flce_policy.kernels.scaled_exp`);
 the CE kernel turns the slab into dL/dlogits in place; then grad_input_c = G @ W,
 grad_weight += G.T @ x_c, grad_bias += sum(G) (with ``params.grad_weight_filter`` the last two over G's
-flagged tiles only: :mod:`flce_policy.kernels.weight_grad_filter`).
+flagged tiles only: :mod:`flce_policy.kernels.weight_grad_filter`; with ``geometry.overlap_weight_grad`` on a
+second CUDA stream beside grad_input's GEMM: :mod:`flce_policy.kernels.side_stream`).
 The driver decides nothing about the geometry: it is handed one and runs it.
 """
 
@@ -33,6 +34,7 @@ from .driver_call import (
 )
 from .gemm import accumulate_mm
 from .scaled_exp import scaled_exp_logits
+from .side_stream import weight_grad_stream
 from .target_grad import TargetTerms
 from .vocab_tiled import run_vocab_tiled
 from .weight_grad_filter import (
@@ -139,6 +141,8 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
     scratch = filter_scratch_for(call, chunk_size, geometry.vocab_chunk)  # None: the dense GEMMs
     filtered = filters(call)  # with a filter even where this call rests (the observers count it unfiltered)
     flagging = scratch is not None
+    # with geometry.overlap_weight_grad on CUDA, the grad_weight work beside the grad_input GEMM (side_stream)
+    weight_grads = weight_grad_stream(geometry, x.device, filtered)
     for index in range(geometry.num_chunks):
         # once a chunk's flags kept so many tiles that its grad_weight ran the dense GEMM (little or nothing to skip:
         # random logits), the call's later chunks go dense without flags, which cost 2-3% of a chunk (the GEMM's row
@@ -212,6 +216,7 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
         target_terms = (
             TargetTerms(target[start:stop], workspace, params.ignore_index) if scaled_exp and grads.any else None
         )
+        weight_grads.fork()  # G is queued: the side stream may start on it while grad_input's GEMM runs
         if grad_input is not None:
             torch.mm(logits, weight, out=grad_input[start:stop])  # dense whatever the filter
         if target_terms is not None:
@@ -225,28 +230,31 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
             )
         # the row-scaled slab is the gradient over each row's scale: grad_weight's GEMM takes x_c times it
         x_operand = x_chunk if x_scaled is None else x_scaled[: stop - start]
-        if chunk_scratch is not None:
-            went_dense = filtered_weight_grad(
-                grad_weight,
-                logits,
-                x_operand,
-                chunk_scratch,
-                first=index == 0,
-                grad_bias=grad_bias,
-                rescue=params.grad_weight_filter_rescue,
-                flagged=flagged,
-            )
-            flagging = not went_dense
-        else:
-            if grad_weight is not None:
-                # The first chunk overwrites (beta=0): no zero-fill of a parameter-sized buffer.
-                accumulate_mm(grad_weight, logits.t(), x_operand, first=index == 0)
-            if filtered:
-                count_unfiltered(stop - start, logits.shape[1], logits.device)
-        if grad_bias is not None and chunk_scratch is None:
-            grad_bias += logits.sum(dim=0, dtype=torch.float32)
-        if target_terms is not None and target_terms.exact_for(grad_weight):
-            target_terms.into_weight_grads(grad_weight, grad_bias, x_chunk)
+        # on the side stream with overlap_weight_grad (a logits slab, no filter); the main stream waits for it
+        # after the block, before the next chunk's logits GEMM overwrites the slab
+        with weight_grads.beside():
+            if chunk_scratch is not None:
+                went_dense = filtered_weight_grad(
+                    grad_weight,
+                    logits,
+                    x_operand,
+                    chunk_scratch,
+                    first=index == 0,
+                    grad_bias=grad_bias,
+                    rescue=params.grad_weight_filter_rescue,
+                    flagged=flagged,
+                )
+                flagging = not went_dense
+            else:
+                if grad_weight is not None:
+                    # The first chunk overwrites (beta=0): no zero-fill of a parameter-sized buffer.
+                    accumulate_mm(grad_weight, logits.t(), x_operand, first=index == 0)
+                if filtered:
+                    count_unfiltered(stop - start, logits.shape[1], logits.device)
+            if grad_bias is not None and chunk_scratch is None:
+                grad_bias += logits.sum(dim=0, dtype=torch.float32)
+            if target_terms is not None and target_terms.exact_for(grad_weight):
+                target_terms.into_weight_grads(grad_weight, grad_bias, x_chunk)
         if _observers:
             notify(ChunkEvent(index, start, stop - start, tuple(slab.shape), slab.numel() * slab.element_size()))
     if scratch is not None and not flagging:  # a chunk's flags bought nothing: the policy rests a few calls

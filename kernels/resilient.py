@@ -86,6 +86,7 @@ def _halved(original: Geometry, current: Geometry, floor: int) -> Geometry | Non
         grad_weight_filter=current.grad_weight_filter,  # remembered by the policy: keep the rule's filter
         grad_weight_filter_rescue=current.grad_weight_filter_rescue,
         slab_form=current.slab_form,
+        overlap_weight_grad=current.overlap_weight_grad,
         strategy=f"oom fallback from {original.chunk_size} rows ({original.strategy})",
         rule=original.rule,
     )

@@ -341,8 +341,8 @@ def test_oom_fallback_runs_inside_the_op_and_is_remembered():
 
 def _op_args(t, reduction, predicted, compute_dtype, wants, ignore_index=-100):
     config = custom_op._config_text(
-        0, 0, 0, "", "logits", reduction, ignore_index, 0.0, None, "fp32", 0.0, True, predicted, False, None, False,
-        None, None, None, compute_dtype, *wants,
+        0, 0, 0, "", "logits", False, reduction, ignore_index, 0.0, None, "fp32", 0.0, True, predicted, False, None,
+        False, None, None, None, compute_dtype, *wants,
     )  # fmt: skip
     return (t["x"], t["w"], t.get("b"), t["y"], None, config)
 

@@ -64,12 +64,15 @@ def test_quick_measures_the_named_rows_at_the_shape_given(monkeypatch, capsys):
 
     monkeypatch.setattr(suite, "make_inputs", functools.partial(make_inputs, device="cpu"))
     monkeypatch.setattr(suite, "measure", run_once)
-    quick.main(["gemm_floor,ours_default_bf16,ours_chunk256_bf16", "x".join(map(str, SHAPE))])
+    quick.main(
+        ["gemm_floor,ours_default_bf16,ours_chunk256_bf16,ours_overlap_chunk256_bf16", "x".join(map(str, SHAPE))]
+    )
     table = [line.split() for line in capsys.readouterr().out.splitlines() if line.lstrip().startswith("64x32x256")]
     assert [(row[1], row[-1]) for row in table] == [
         ("gemm_floor", "ok"),
         ("ours_default_bf16", "ok"),
         ("ours_chunk256_bf16", "ok"),
+        ("ours_overlap_chunk256_bf16", "ok"),
     ]
 
 

@@ -76,10 +76,10 @@ _LIB.define(
 
 # ----------------------------------------------------------------------------------- the config text
 
-#: The call's scalars in ``config``'s order: the policy (a key, or a Geometry's rows, vocab chunk and
-#: accumulator), the loss options, the compute dtype, the gradients wanted.
+#: The call's scalars in ``config``'s order: the policy (a key, or a Geometry's rows, vocab chunk, accumulator, slab
+#: form and side stream), the loss options, the compute dtype, the gradients wanted.
 _FIELDS = (
-    "policy_key", "rows", "vocab_chunk", "accum", "slab_form",
+    "policy_key", "rows", "vocab_chunk", "accum", "slab_form", "overlap_weight_grad",
     "reduction", "ignore_index", "label_smoothing", "softcap", "softcap_rounding", "z_loss_scale",
     "token_accuracy", "predicted_tokens", "token_scaling", "accum_dtype", "entropy", "grad_weight_filter",
     "grad_weight_filter_rescue", "slab_form_pin", "compute_dtype", "want_input", "want_weight", "want_bias",
@@ -103,7 +103,7 @@ def _config_text(*values: Any) -> str:
 class _Config:
     """A decoded ``config``: what every call with that text shares."""
 
-    policy: tuple[int, int, int, str, str]  # policy_key, rows, vocab_chunk, accum, slab_form
+    policy: tuple[int, int, int, str, str, bool]  # policy_key, rows, vocab_chunk, accum, slab_form, overlap_weight_grad
     options: LossOptions
     compute_dtype: torch.dtype | None
     wants: tuple[bool, bool, bool]  # input, weight, bias
@@ -155,7 +155,14 @@ def _decode(config: str) -> _Config:
         slab_form=values["slab_form_pin"],
     )
     return _Config(
-        policy=(values["policy_key"], values["rows"], values["vocab_chunk"], values["accum"], values["slab_form"]),
+        policy=(
+            values["policy_key"],
+            values["rows"],
+            values["vocab_chunk"],
+            values["accum"],
+            values["slab_form"],
+            values["overlap_weight_grad"],
+        ),
         options=options,
         compute_dtype=values["compute_dtype"],
         wants=(values["want_input"], values["want_weight"], values["want_bias"]),
@@ -174,20 +181,27 @@ def _geometry_now(
     vocab_chunk: int,
     accum: str,
     slab_form: str,
+    overlap_weight_grad: bool,
 ) -> tuple[Geometry | None, Any, FilterRest | None]:
     """The geometry for these tensors, resolved at run time, its OOM fallback and a policy's filter rest."""
     if x.shape[0] == 0:
         return None, None, None
     if rows:  # a Geometry was given: rebuilt for the actual problem (the wrapper checked it matches)
         problem = call_problem(x.shape[0], x.shape[1], weight.shape[0], logits_dtype, 1)
-        return _given_geometry(problem, rows, vocab_chunk, accum, slab_form), DEFAULT_OOM_FALLBACK, None
+        given = _given_geometry(problem, rows, vocab_chunk, accum, slab_form, overlap_weight_grad)
+        return given, DEFAULT_OOM_FALLBACK, None
     return geometry_for(live_policy(key), x, weight, logits_dtype)[:3]  # no measuring: forward and backward agree
 
 
 @functools.lru_cache(maxsize=256)
-def _given_geometry(problem: Problem, rows: int, vocab_chunk: int, accum: str, slab_form: str) -> Geometry:
+def _given_geometry(
+    problem: Problem, rows: int, vocab_chunk: int, accum: str, slab_form: str, overlap_weight_grad: bool
+) -> Geometry:
     """A given Geometry's chunks for ``problem``, validated once per problem rather than on every call."""
-    return Geometry.for_problem(problem, rows, vocab_chunk=vocab_chunk, accum_dtype=accum or None, slab_form=slab_form)
+    return Geometry.for_problem(
+        problem, rows, vocab_chunk=vocab_chunk, accum_dtype=accum or None, slab_form=slab_form,
+        overlap_weight_grad=overlap_weight_grad,
+    )  # fmt: skip
 
 
 def _plan(
@@ -402,12 +416,12 @@ def compiled_loss(
     """``FLCEFunction.apply``'s results through the op: ``(loss, z_loss, accuracy, predicted, entropy)``."""
     from flce_policy.engine.policy import FLCEPolicy
 
-    rows, vocab_chunk, accum, slab_form = 0, 0, "", "logits"
+    rows, vocab_chunk, accum, slab_form, overlap_weight_grad = 0, 0, "", "logits", False
     grad_weight_filter, rescue = options.grad_weight_filter, options.grad_weight_filter_rescue
     if isinstance(policy, Geometry):
         policy.check_tensors(x, weight, compute_dtype)
         rows, vocab_chunk, accum = policy.chunk_size, policy.vocab_chunk, policy.accum_dtype or ""
-        slab_form = policy.slab_form
+        slab_form, overlap_weight_grad = policy.slab_form, policy.overlap_weight_grad
         key = DEFAULT_POLICY_KEY
         if grad_weight_filter is None:  # the given Geometry's filter; an FLCEPolicy's is followed inside the op
             grad_weight_filter = policy.grad_weight_filter
@@ -424,7 +438,7 @@ def compiled_loss(
         grad_enabled and bias is not None and bias.requires_grad,
     )
     config = _config_text(
-        key, rows, vocab_chunk, accum, slab_form,
+        key, rows, vocab_chunk, accum, slab_form, overlap_weight_grad,
         options.reduction, options.ignore_index, float(options.label_smoothing),
         None if options.softcap is None else float(options.softcap), options.softcap_rounding,
         float(options.z_loss_scale), options.return_token_accuracy, options.return_predicted_tokens,

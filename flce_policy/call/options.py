@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from flce_policy.plan.form_choice import checked_slab_form
+from flce_policy.plan.geometry import OVERLAP_NO_FILTER
 from flce_policy.plan.weight_filter import checked_filter_eps, checked_filter_rescue
 
 if TYPE_CHECKING:
@@ -129,8 +130,14 @@ class LossOptions:
         its grad_weight filter and rescue (a policy rule's) where the call gave none: the call's keyword wins.
 
         ValueError when the call asked for a different accumulator than the one planned: the
-        geometry's predicted peak and time assume the planned one.
+        geometry's predicted peak and time assume the planned one; and when it asks for a grad_weight filter
+        beside a geometry with ``overlap_weight_grad``.
         """
+        if geometry.overlap_weight_grad and self.grad_weight_filter:
+            raise ValueError(
+                f"grad_weight_filter={self.grad_weight_filter:g} with overlap_weight_grad=True "
+                f"({geometry.describe()}): {OVERLAP_NO_FILTER}"
+            )
         if geometry.grad_weight_filter is not None or geometry.grad_weight_filter_rescue is not None:
             planned_filter = {
                 name: getattr(geometry, name)

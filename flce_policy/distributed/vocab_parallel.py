@@ -222,6 +222,7 @@ def _with_rows(geometry: Geometry, rows: int, chunk_sizes: list[int]) -> Geometr
         rows,
         vocab_chunk=geometry.vocab_chunk,
         accum_dtype=geometry.accum_dtype,
+        overlap_weight_grad=geometry.overlap_weight_grad,
         strategy=f"{geometry.strategy}, at the smallest chunk among the TP ranks' {chunk_sizes}",
         rule=geometry.rule,
     )

@@ -34,6 +34,8 @@ Terms (seconds), each traced to measurements on the H200 (results/2026-11-29-h20
   :func:`flce_policy.plan.collectives.comm_plan`, each paying ``collective_latency_s`` plus a ring
   all-reduce's ``2 (n - 1) / n`` of its bytes at ``link_bytes_per_s``. These two rates are
   ASSUMED (NVLink-class all-reduce bus bandwidth and small-message latency), not yet measured.
+Not modelled: ``geometry.overlap_weight_grad`` (grad_weight's GEMM on a second CUDA stream beside grad_input's) is
+priced as the serial call until a GPU run measures what it hides.
 At 8192x5376x262144 this predicts 140 / 106 / 102 ms for 256 / 2048 / 8192-row chunks and
 137 ms for 8192-column vocab tiles, against 146 / 107 / 104 and 143 ms measured on the H200
 (results/2026-11-29-h200-vocab-tiled); tests/test_fastest.py holds every measured row

@@ -19,7 +19,7 @@ from flce_policy.plan.scaled_exp import is_scaled_exp, scaled_exp_unsupported
 from flce_policy.plan.units import cdiv, format_bytes
 from flce_policy.plan.weight_filter import check_rescue_has_filter, checked_filter_eps, checked_filter_rescue
 
-__all__ = ["Geometry"]
+__all__ = ["OVERLAP_NO_FILTER", "Geometry"]
 
 
 class Geometry(BaseModel):
@@ -61,6 +61,14 @@ class Geometry(BaseModel):
         "epilogue, or (scaled_exp_rows, where the call allows) exp(z - z_y) per row; scaled_exp_ws: that with a "
         "warp-specialised GEMM on Hopper (flce_policy.plan.scaled_exp)",
     )
+    overlap_weight_grad: bool = Field(
+        default=False,
+        strict=True,
+        description="each row chunk's grad_weight GEMM (and grad_bias) on a second CUDA stream beside its grad_input "
+        "GEMM: both only read the slab, and grad_weight's read-modify-write of [V, H] is memory-bound where "
+        "grad_input's GEMM is compute-bound, so the two may overlap at no memory cost; row-only geometry on the "
+        "logits slab without a grad_weight filter; unmeasured, off by default; serial (the same results) on CPU",
+    )
     strategy: str = Field(default="manual", description="the strategy (with its parameters) that produced it")
     rule: str | None = Field(default=None, description="the policy rule that chose the strategy, if any")
 
@@ -77,6 +85,7 @@ class Geometry(BaseModel):
         grad_weight_filter: float | None = None,
         grad_weight_filter_rescue: int | None = None,
         slab_form: str = "logits",
+        overlap_weight_grad: bool = False,
     ) -> Geometry:
         """The geometry of ``chunk_size`` rows (and ``vocab_chunk`` columns, default all of V)."""
         vocab_chunk = problem.vocab if vocab_chunk is None else vocab_chunk
@@ -93,6 +102,7 @@ class Geometry(BaseModel):
             grad_weight_filter=grad_weight_filter,
             grad_weight_filter_rescue=grad_weight_filter_rescue,
             slab_form=slab_form,
+            overlap_weight_grad=overlap_weight_grad,
             strategy=strategy,
             rule=rule,
         )
@@ -134,14 +144,20 @@ class Geometry(BaseModel):
             why_not = scaled_exp_unsupported(p, self.vocab_chunk)
             if why_not is not None:
                 raise ValueError(f"slab_form={self.slab_form!r} cannot run {p.describe()}: {why_not}")
+        if self.overlap_weight_grad:
+            why_not = _overlap_unsupported(self)
+            if why_not is not None:
+                raise ValueError(f"overlap_weight_grad=True cannot run {self.describe()}: {why_not}")
         return self
 
     @model_serializer(mode="wrap")
-    def _omit_default_slab_form(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # a logits-slab geometry dumps as it always did (explain --json, benchmark records)
+    def _omit_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # a logits-slab geometry without the side stream dumps as it always did (explain --json, benchmark records)
         data = handler(self)
         if data.get("slab_form") == "logits":
             del data["slab_form"]
+        if data.get("overlap_weight_grad") is False:
+            del data["overlap_weight_grad"]
         return data
 
     @property
@@ -188,6 +204,8 @@ class Geometry(BaseModel):
             return self
         eps, rescue = checked_filter_eps(grad_weight_filter), checked_filter_rescue(grad_weight_filter_rescue)
         check_rescue_has_filter(eps, rescue)
+        if self.overlap_weight_grad and eps:
+            raise ValueError(f"overlap_weight_grad=True cannot run {self.describe()}: {OVERLAP_NO_FILTER}")
         return self.model_copy(update={"grad_weight_filter": eps, "grad_weight_filter_rescue": rescue})
 
     def with_slab_form(self, slab_form: str) -> Geometry:
@@ -196,6 +214,14 @@ class Geometry(BaseModel):
         if slab_form == self.slab_form:
             return self
         return Geometry.model_validate({**self.model_dump(), "problem": self.problem, "slab_form": slab_form})
+
+    def with_overlap_weight_grad(self, overlap_weight_grad: bool = True) -> Geometry:
+        """A copy whose grad_weight GEMM runs on a side stream (or not; :attr:`overlap_weight_grad`); ValueError
+        where it cannot run."""
+        if overlap_weight_grad == self.overlap_weight_grad:
+            return self
+        data = {**self.model_dump(), "problem": self.problem, "overlap_weight_grad": overlap_weight_grad}
+        return Geometry.model_validate(data)
 
     def with_origin(self, *, strategy: str | None = None, rule: str | None = None) -> Geometry:
         """A copy whose provenance fields are replaced (the shape is unchanged)."""
@@ -226,10 +252,42 @@ class Geometry(BaseModel):
                 accum += f" rescuing by level, at least 1 in {self.grad_weight_filter_rescue}"
         if self.slab_form != "logits":
             accum += f", {self.slab_form.replace('_', '-')} slab"
+        if self.overlap_weight_grad:
+            accum += ", grad_weight GEMM on a side stream"
         return (
             f"{self.num_chunks} chunks of {self.chunk_size} rows{tiles}, "
             f"slab {format_bytes(self.slab_bytes)}{accum} ({self.strategy})"
         )
+
+
+#: Why a filtered grad_weight is refused beside the side stream: its path (the flags, the host's read of their
+#: count while the grad_input GEMM runs, its scratch) is built for one stream. Eps 0 runs the dense path: allowed.
+OVERLAP_NO_FILTER = (
+    "the grad_weight filter's flagged GEMM runs on one stream only; drop the filter (grad_weight_filter=None) "
+    "or the overlap"
+)
+
+
+def _overlap_unsupported(geometry: Geometry) -> str | None:
+    """Why ``geometry`` cannot put its grad_weight GEMM on a side stream, or None where it can."""
+    if not geometry.is_row_only:
+        return (
+            f"the side stream runs row-only geometry (vocab_chunk == vocab={geometry.problem.vocab}); "
+            f"vocab_chunk={geometry.vocab_chunk} tiles the vocabulary"
+        )
+    if geometry.grad_weight_filter:
+        return OVERLAP_NO_FILTER
+    if is_scaled_exp(geometry.slab_form):
+        # kernels/target_grad.py: a 16-bit grad_weight gets the target's term written into the slab, and the
+        # row-scaled form x_c times each row's scale, both after the grad_input GEMM read the slab and before
+        # grad_weight's GEMM reads it: grad_weight's GEMM could not start before grad_input's ends
+        return (
+            f"slab_form={geometry.slab_form!r} writes the target's term into the slab (the row-scaled forms also x_c "
+            "times each row's scale) after the grad_input GEMM reads it and before grad_weight's GEMM does "
+            "(kernels/target_grad.py), so the two GEMMs cannot overlap; the side stream runs the logits slab "
+            "(slab_form='logits')"
+        )
+    return None
 
 
 def _check_extent(name: str, value: Any, limit: int, limit_name: str) -> None:

@@ -54,7 +54,8 @@ def predict_peak(
     to the weight dtype, so both copies live at once, but the slab is already freed. The peak
     is the larger phase, and ``terms`` are that phase's. Kernel scratch (row partials, a few
     bytes per row and tile) is left out: well under 1% of any slab; the scaled-exp slab's partials, a slot
-    per 256 columns, are counted.
+    per 256 columns, are counted. ``geometry.overlap_weight_grad`` changes no term: the side stream reads the
+    same slab and writes the same gradients (its cuBLAS workspace, once per stream, is scratch as above).
     """
     p = geometry.problem
     master_dtype = None if master_dtype is None else checked_dtype(master_dtype, "master_dtype")
