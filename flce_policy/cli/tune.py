@@ -10,7 +10,7 @@ chunk sizes are measured on its two forms too (per tile, and row-scaled), and a 
 same way. The rule is then ``scaled_exp`` around the slab_budget (``rows: true`` for the row-scaled form) of
 the form whose picks run within :data:`TOLERANCE` of the logits slab's at every shape, the faster of the two
 when both do (the row-scaled one on a tie): within the noise it costs nothing, and its gradients are 2-4x
-closer to fp32 (docs/results.md, Small heads).
+closer to fp32 (docs/results.md, "H200: gradient error").
 
 One ``max_slab`` serves every shape (a ``slab_budget`` rule picks per shape from it): of the
 slabs of fitting rows, the smallest at which every shape runs a measured, fitting chunk within
