@@ -29,7 +29,7 @@ from flce_policy.engine import pick_cache
 from flce_policy.kernels import KERNELS_INTERPRETED
 from flce_policy.kernels.driver import inject_oom
 from flce_policy.plan.geometry import Geometry
-from flce_policy.plan.measuring import Search, candidate_rows, pick
+from flce_policy.plan.measuring import BucketPick, Search, candidate_rows, pick
 from flce_policy.plan.problem import Problem
 from flce_policy.strategies import Measured, SlabBudget, StrategyError, strategy_from_config
 
@@ -219,7 +219,7 @@ def test_a_second_run_starts_from_the_cached_pick(cache_folder):
     assert len(files) == 1
     stored = json.loads(files[0].read_text())
     assert (stored["chunk_size"], stored["slab_form"]) == (32, "logits")
-    assert stored["key"]["problem"] == f"{BT}x{H}x{V} float32 tp1"
+    assert stored["key"]["problem"] == f"BT 1-256 H={H} V={V} float32 tp1"  # BT={BT}: the first bucket
     second = FakeClock()
     policy = FLCEPolicy(default=measured(), min_chunk_size=1, clock=second)
     run_calls(policy, 3)
@@ -238,12 +238,14 @@ def test_the_cache_key_holds_the_gpu_the_versions_the_problem_the_kind_and_the_s
     assert key.torch == torch.__version__ and key.driver and key.triton and key.flce_policy
     others = [
         pick_cache.pick_key(DeviceInfo.synthetic("H200"), problem, "", measured().params_key()),
-        pick_cache.pick_key(DeviceInfo.synthetic("H100"), Problem(tokens=BT * 2, hidden=H, vocab=V), "", key.strategy),
+        pick_cache.pick_key(DeviceInfo.synthetic("H100"), Problem(tokens=BT * 8, hidden=H, vocab=V), "", key.strategy),
         pick_cache.pick_key(DeviceInfo.synthetic("H100"), problem, "bias", key.strategy),
         pick_cache.pick_key(DeviceInfo.synthetic("H100"), problem, "", measured(max_slab="2GiB").params_key()),
         key.model_copy(update={"triton": "0.0"}),
     ]
     assert len({pick_cache._path(k) for k in [key, *others]}) == 6
+    same_bucket = pick_cache.pick_key(DeviceInfo.synthetic("H100"), Problem(tokens=BT * 2, hidden=H, vocab=V), "", key.strategy)
+    assert same_bucket == key  # BT 64 and 128 share the bucket BT 1-256
 
 
 @pytest.mark.parametrize("damage", ["garbage", "foreign", "bad_rows"])
@@ -387,14 +389,16 @@ def test_explain_shows_a_cached_pick_and_the_cache_command_lists_and_clears_it(c
     assert "Measured:    not yet" in policy().explain(problem, gpu)
     strategy = policy().resolve_rule(gpu)[1]
     geometry = Geometry.for_problem(problem, 256)
-    pick_cache.store(pick_cache.pick_key(gpu, problem, "", strategy.params_key()), geometry, {geometry: 0.0125})
+    pick = BucketPick.of(geometry)
+    pick_cache.store(pick_cache.pick_key(gpu, problem, "", strategy.params_key()), pick, {geometry: 0.0125})
     text = policy().explain(problem, gpu)
     assert "Measured:    256 rows on the logits slab, from cache, measured 20" in text
+    assert "(the bucket BT 4097-8192)" in text
     assert "Chunk size:  256 rows" in text
     assert main(["cache", "list", "--json"]) == 0
     (listed,) = json.loads(capsys.readouterr().out)["picks"]
     assert (listed["gpu"], listed["chunk_size"]) == ("NVIDIA L4", 256)
-    assert listed["problem"] == "8192x4096x128256 bfloat16 tp1"
+    assert listed["problem"] == "BT 4097-8192 H=4096 V=128256 bfloat16 tp1"
     assert listed["times_ms"] == {"256 logits": 12.5}
     assert main(["cache", "clear"]) == 0
     assert "deleted 1 picks" in capsys.readouterr().out
