@@ -78,7 +78,7 @@ def test_a_bucket_is_measured_once_over_calls_of_any_bt_in_it(ran, cache_folder)
         rows.append(check_equal_to_plain(*inputs(tokens, step), policy, ran).chunk_size)
         del ran[:]
     assert len(clock.ran) == len(SEARCH)
-    assert rows == [min(r, t) for r, t in zip(SEARCH + [PICKED] * 11, bts)]
+    assert rows == [min(r, t) for r, t in zip(SEARCH + [PICKED] * 11, bts, strict=True)]
     assert len(list(cache_folder.glob("*.json"))) == 1
 
 
@@ -200,13 +200,15 @@ def test_ranks_with_other_bt_and_other_buckets_agree_without_a_hang(tmp_path):
 
     same = [r["same bucket"] for r in results]
     for rank in range(2):  # both measure 257-512 in lockstep, each at its own BT
-        assert same[rank]["rows"] == [min(r, t) for r, t in zip(SEARCH + [PICKED] * 3, CASES["same bucket"][rank])]
+        assert same[rank]["rows"] == [
+            min(r, t) for r, t in zip(SEARCH + [PICKED] * 3, CASES["same bucket"][rank], strict=True)
+        ]
     assert (same[0]["timed"], same[1]["timed"]) == (len(SEARCH), 0)
 
     other = [r["other buckets"] for r in results]
     bts0, bts1 = CASES["other buckets"]
     assert other[0]["timed"] == 2 * len(SEARCH) and other[1]["timed"] == 0
-    assert other[0]["rows"][:10] == [min(r, t) for r, t in zip(SEARCH + [PICKED], bts0)]
+    assert other[0]["rows"][:10] == [min(r, t) for r, t in zip(SEARCH + [PICKED], bts0[:10], strict=True)]
     assert other[1]["rows"][:10] == bts1[:10]  # 257-512 has no pick yet: its limit, one chunk
     assert other[1]["rows"][10:20] == [PICKED] * 10  # 1-256: rank 0's pick
     assert other[1]["rows"][-1] == PICKED  # 257-512, once rank 0 has measured it

@@ -195,9 +195,10 @@ class MeasuredHead:
             return step
         candidate = message0.candidate  # type: ignore[union-attr]
         if candidate is not None and bucket0 == bucket.tokens:  # rank 0's candidate, at this rank's BT
-            limit = self.limit(bucket)
-            return Step(None, Geometry.for_problem(bucket, candidate.rows, vocab_chunk=candidate.vocab_chunk,
-                        accum_dtype=limit.accum_dtype, slab_form=candidate.slab_form, rule=self.rule), False)  # fmt: skip
+            geometry = Geometry.for_problem(
+                bucket, candidate.rows, vocab_chunk=candidate.vocab_chunk, slab_form=candidate.slab_form, rule=self.rule
+            )
+            return Step(None, geometry, False)
         return None
 
     def _rank0_message(self, bucket: Problem, kind: str, state: _KindState) -> tuple[Step | None, Message]:
@@ -235,4 +236,3 @@ def _runs(pick: BucketPick, limit: Geometry) -> bool:
     except ValueError:
         return False
     return True
-
