@@ -162,15 +162,12 @@ class Measured(ChunkStrategy):
             strategy=repr(self), rule=rule,
         )  # fmt: skip
 
-    def seeded_pick(self, bucket: Problem) -> BucketPick | None:
-        """What ``picks`` gives ``bucket`` (a :func:`~flce_policy.plan.measuring.bucket_problem`), or None: the
-        entry of most tokens in it, a chunk of all its tokens as the top's rows (one chunk at every BT)."""
+    def seeded_pick(self, problem: Problem) -> BucketPick | None:
+        """What ``picks`` gives ``problem``'s BT bucket (:func:`~flce_policy.plan.measuring.bucket_problem`), or
+        None: the entry of most tokens in it, a chunk of all its tokens as the top's rows (one chunk at every BT)."""
+        bucket = bucket_problem(problem)
         shape = (bucket.tokens, bucket.hidden, bucket.vocab, bucket.dtype)
-        found = [
-            pick
-            for pick in self.picks or ()
-            if _bucket_of(pick) == shape
-        ]  # fmt: skip
+        found = [pick for pick in self.picks or () if _bucket_of(pick) == shape]
         if not found:
             return None
         pick = max(found, key=lambda p: p["tokens"])
