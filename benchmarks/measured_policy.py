@@ -14,7 +14,8 @@ of the issue's goals:
    peak of a plain call at the limit in each form measured (goal: never above).
 2. **The first calls of a training** (``--inputs trained``: the small trained Llama's head, one shape): a fresh
    process (fresh Triton and pick caches) times ``--first-calls`` calls (the wall clock, compile included) under
-   ``measured``, another under the rule; the overhead ``measured / rule - 1`` (goal <= 2%).
+   ``measured``, another under the rule; the overhead ``measured / rule - 1`` (goal <= 2%). Each side reports its
+   first call's time and the forms it measured, where the warm-up went.
 3. **A second process** on the first's pick cache: its measuring calls (goal 0).
 
 On the CPU (``TRITON_INTERPRET=1``) it runs as a smoke test: the host's clock, the CPU's rule removed.
@@ -198,18 +199,30 @@ def compare_shape(inputs: Inputs, calls: int, max_measuring_calls: int = 200) ->
 
 
 def first_calls(inputs: Inputs, which: str, calls: int) -> dict[str, Any]:
-    """Check 2's one side, in this (fresh) process: ``calls`` calls' wall time, compile and measuring included."""
+    """Check 2's one side, in this (fresh) process: ``calls`` calls' wall time, compile and measuring included; the
+    first call's alone (its kernels' compile) and the forms measured (each compiles its own kernels)."""
     device = inputs.x.device
     info = device_for_tensor_device(device)
     clock = CountingClock(_clock(device))
     policy = unknown_gpu_policy(info, clock) if which == "measured" else FLCEPolicy.packaged()
     _sync(device)
     start = time.perf_counter()
+    first = None
     for _ in range(calls):
         _step(inputs, policy)
+        if first is None:
+            _sync(device)
+            first = time.perf_counter() - start
     _sync(device)
     seconds = time.perf_counter() - start
-    return {"which": which, "calls": calls, "seconds": round(seconds, 4), "measuring_calls": len(clock.ran)}
+    return {
+        "which": which,
+        "calls": calls,
+        "seconds": round(seconds, 4),
+        "first_call_seconds": round(first or 0.0, 4),
+        "measuring_calls": len(clock.ran),
+        "forms_measured": sorted({g.slab_form for g in clock.ran}),
+    }
 
 
 def _inputs(spec: str, shape: Sequence[int] | None, device: torch.device) -> Inputs:

@@ -1,4 +1,4 @@
-"""The geometry measured on the GPU it runs on: the training's first calls of a problem time the candidates."""
+"""The geometry measured on the GPU it runs on: the training's first calls of a BT bucket time the candidates."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 from flce_policy.plan.device import DeviceInfo
 from flce_policy.plan.geometry import Geometry
-from flce_policy.plan.measuring import FORM_ORDER, TOLERANCE
+from flce_policy.plan.measuring import FORM_MARGIN, FORM_ORDER, TOLERANCE, BucketPick, bucket_problem
 from flce_policy.plan.problem import Problem
 
 from .base import ChunkStrategy, StrategyError, builtin_strategy, checked_geometry
@@ -21,23 +21,29 @@ _PICK_KEYS = {"tokens", "hidden", "vocab", "dtype", "chunk_size", "slab_form"}
 
 @builtin_strategy
 class Measured(ChunkStrategy):
-    """The fastest candidate timed on the training's own calls, within a memory limit, per problem and GPU.
+    """The fastest candidate timed on the training's own calls, within a memory limit, per BT bucket and GPU.
 
     The limit is the least of ``max_slab`` (bytes or ``"1GiB"``), ``cap`` (a strategy's geometry, as
     ``free_memory``'s cap) and, on a GPU, ``free_memory`` (a fraction of what the GPU can give at the call, as the
-    ``free_memory`` strategy reads it; the kept pick is capped by it at every call too). The candidates
+    ``free_memory`` strategy reads it; the kept pick is capped by it at every call too). A search and its pick
+    stand for a bucket: BT rounded up to a power of two (:func:`flce_policy.plan.measuring.bucket_problem`), the
+    candidates sized at its top; a pick of R rows runs ``min(R, BT)`` rows (within the call's own limit), and a
+    call's time counts scaled to the top's BT, so calls of any BT in the bucket measure it. The candidates
     (:func:`flce_policy.plan.measuring.candidates`): ``rows`` (default: powers of two from 256 up to the limit's
-    rows) times ``slab_forms`` (default: the forms the GPU runs; a rule's ``slab_form`` pins one). Each candidate
-    runs ``warmup_calls`` untimed calls, then ``timed_calls`` calls timed with CUDA events; the fastest within
+    rows) times ``slab_forms`` (default: the forms the GPU runs that the cost model predicts within
+    ``form_margin``, default 10%, of the fastest, None: all; a rule's ``slab_form`` pins one). Each candidate runs
+    ``warmup_calls`` untimed calls, then ``timed_calls`` calls timed with CUDA events; the fastest within
     ``tolerance`` of the best, preferring the smaller slab, is kept (:class:`flce_policy.plan.measuring.Search`).
 
-    An :class:`~flce_policy.engine.policy.FLCEPolicy` does the measuring (it holds the state, per problem and per
+    An :class:`~flce_policy.engine.policy.FLCEPolicy` does the measuring (it holds the state, per bucket and per
     kind of call); ``cache`` keeps each pick on disk for the next run (``$FLCE_POLICY_CACHE``, else the user's
-    cache folder); ``broadcast``: under a process group rank 0 measures and every rank runs its choice (the ranks
-    must then call the loss with the same problems in the same order while it measures). ``picks``: problems
-    measured already (``flce-policy tune --strategy measured`` writes them), each ``{tokens, hidden, vocab,
-    chunk_size, slab_form}`` (and ``dtype``, default bfloat16), run without measuring. Where nothing measures (the
-    CPU, a GPU planned without one), the geometry is the limit's.
+    cache folder); ``broadcast``: under a process group rank 0 measures, and the ranks agree on its picks at calls
+    counted alike on every rank (:mod:`flce_policy.engine.measured_group`: the ranks must call the loss as many
+    times, with the same head and options, in the same order; their BT may differ). ``picks``: problems measured
+    already (``flce-policy tune --strategy measured`` writes them), each ``{tokens, hidden, vocab, chunk_size,
+    slab_form}`` (and ``dtype``, default bfloat16), run without measuring at any BT of the tokens' bucket (of
+    several in one bucket, the one of most tokens; a chunk of all its tokens is one chunk there). Where nothing
+    measures (the CPU, a GPU planned without one), the geometry is the limit's.
     """
 
     name = "measured"
@@ -54,6 +60,7 @@ class Measured(ChunkStrategy):
         warmup_calls: int = 1,
         timed_calls: int = 2,
         tolerance: float = TOLERANCE,
+        form_margin: float | None = FORM_MARGIN,
         cache: bool = True,
         broadcast: bool = True,
         picks: list[dict[str, Any]] | None = None,
@@ -66,6 +73,7 @@ class Measured(ChunkStrategy):
         self.warmup_calls = warmup_calls
         self.timed_calls = timed_calls
         self.tolerance = tolerance
+        self.form_margin = form_margin
         self.cache = cache
         self.broadcast = broadcast
         self.picks = picks
@@ -93,6 +101,13 @@ class Measured(ChunkStrategy):
         tol = self.tolerance
         if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < 1:
             raise StrategyError(f"measured: tolerance must be a number in [0, 1), got {tol!r}", param="tolerance")
+        margin = self.form_margin
+        if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float)) or margin < 0):
+            raise StrategyError(
+                f"measured: form_margin must be a number >= 0 (0.1: forms predicted within 10% of the fastest) or "
+                f"null (every form), got {margin!r}",
+                param="form_margin",
+            )
         for flag in ("cache", "broadcast"):
             if not isinstance(getattr(self, flag), bool):
                 raise StrategyError(f"measured: {flag} must be true or false, got {getattr(self, flag)!r}", param=flag)
@@ -147,17 +162,17 @@ class Measured(ChunkStrategy):
             strategy=repr(self), rule=rule,
         )  # fmt: skip
 
-    def seeded_pick(self, problem: Problem) -> tuple[int, str] | None:
-        """``(chunk_size, slab_form)`` that ``picks`` gives ``problem``, or None."""
-        for pick in self.picks or ():
-            if (pick["tokens"], pick["hidden"], pick["vocab"], pick.get("dtype", "bfloat16")) == (
-                problem.tokens,
-                problem.hidden,
-                problem.vocab,
-                problem.dtype,
-            ):
-                return pick["chunk_size"], pick.get("slab_form", "logits")
-        return None
+    def seeded_pick(self, problem: Problem) -> BucketPick | None:
+        """What ``picks`` gives ``problem``'s BT bucket (:func:`~flce_policy.plan.measuring.bucket_problem`), or
+        None: the entry of most tokens in it, a chunk of all its tokens as the top's rows (one chunk at every BT)."""
+        bucket = bucket_problem(problem)
+        shape = (bucket.tokens, bucket.hidden, bucket.vocab, bucket.dtype)
+        found = [pick for pick in self.picks or () if _bucket_of(pick) == shape]
+        if not found:
+            return None
+        pick = max(found, key=lambda p: p["tokens"])
+        rows = bucket.tokens if pick["chunk_size"] >= pick["tokens"] else pick["chunk_size"]
+        return BucketPick(rows, bucket.vocab, pick.get("slab_form", "logits"), f"picks ({self!r})")
 
     def _checked_pick(self, pick: Any) -> None:
         if not isinstance(pick, dict) or not {"tokens", "hidden", "vocab", "chunk_size"} <= set(pick):
@@ -178,6 +193,12 @@ class Measured(ChunkStrategy):
         config = super().to_config()
         nested_config(self, "cap", config)
         return config
+
+
+def _bucket_of(pick: dict[str, Any]) -> tuple[int, int, int, str]:
+    dtype = pick.get("dtype", "bfloat16")
+    bucket = bucket_problem(Problem(pick["tokens"], pick["hidden"], pick["vocab"], dtype))
+    return bucket.tokens, bucket.hidden, bucket.vocab, bucket.dtype
 
 
 def _check_count(value: Any, param: str, least: int) -> None:

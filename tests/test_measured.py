@@ -29,7 +29,7 @@ from flce_policy.engine import pick_cache
 from flce_policy.kernels import KERNELS_INTERPRETED
 from flce_policy.kernels.driver import inject_oom
 from flce_policy.plan.geometry import Geometry
-from flce_policy.plan.measuring import Search, candidate_rows, pick
+from flce_policy.plan.measuring import BucketPick, Search, candidate_rows, pick
 from flce_policy.plan.problem import Problem
 from flce_policy.strategies import Measured, SlabBudget, StrategyError, strategy_from_config
 
@@ -219,7 +219,7 @@ def test_a_second_run_starts_from_the_cached_pick(cache_folder):
     assert len(files) == 1
     stored = json.loads(files[0].read_text())
     assert (stored["chunk_size"], stored["slab_form"]) == (32, "logits")
-    assert stored["key"]["problem"] == f"{BT}x{H}x{V} float32 tp1"
+    assert stored["key"]["problem"] == f"BT 1-256 H={H} V={V} float32 tp1"  # BT={BT}: the first bucket
     second = FakeClock()
     policy = FLCEPolicy(default=measured(), min_chunk_size=1, clock=second)
     run_calls(policy, 3)
@@ -238,12 +238,16 @@ def test_the_cache_key_holds_the_gpu_the_versions_the_problem_the_kind_and_the_s
     assert key.torch == torch.__version__ and key.driver and key.triton and key.flce_policy
     others = [
         pick_cache.pick_key(DeviceInfo.synthetic("H200"), problem, "", measured().params_key()),
-        pick_cache.pick_key(DeviceInfo.synthetic("H100"), Problem(tokens=BT * 2, hidden=H, vocab=V), "", key.strategy),
+        pick_cache.pick_key(DeviceInfo.synthetic("H100"), Problem(tokens=BT * 8, hidden=H, vocab=V), "", key.strategy),
         pick_cache.pick_key(DeviceInfo.synthetic("H100"), problem, "bias", key.strategy),
         pick_cache.pick_key(DeviceInfo.synthetic("H100"), problem, "", measured(max_slab="2GiB").params_key()),
         key.model_copy(update={"triton": "0.0"}),
     ]
     assert len({pick_cache._path(k) for k in [key, *others]}) == 6
+    same_bucket = pick_cache.pick_key(
+        DeviceInfo.synthetic("H100"), Problem(tokens=BT * 2, hidden=H, vocab=V), "", key.strategy
+    )
+    assert same_bucket == key  # BT 64 and 128 share the bucket BT 1-256
 
 
 @pytest.mark.parametrize("damage", ["garbage", "foreign", "bad_rows"])
@@ -387,15 +391,54 @@ def test_explain_shows_a_cached_pick_and_the_cache_command_lists_and_clears_it(c
     assert "Measured:    not yet" in policy().explain(problem, gpu)
     strategy = policy().resolve_rule(gpu)[1]
     geometry = Geometry.for_problem(problem, 256)
-    pick_cache.store(pick_cache.pick_key(gpu, problem, "", strategy.params_key()), geometry, {geometry: 0.0125})
+    pick = BucketPick.of(geometry)
+    pick_cache.store(pick_cache.pick_key(gpu, problem, "", strategy.params_key()), pick, {geometry: 0.0125})
     text = policy().explain(problem, gpu)
     assert "Measured:    256 rows on the logits slab, from cache, measured 20" in text
+    assert "(the bucket BT 4097-8192)" in text
     assert "Chunk size:  256 rows" in text
     assert main(["cache", "list", "--json"]) == 0
     (listed,) = json.loads(capsys.readouterr().out)["picks"]
     assert (listed["gpu"], listed["chunk_size"]) == ("NVIDIA L4", 256)
-    assert listed["problem"] == "8192x4096x128256 bfloat16 tp1"
+    assert listed["problem"] == "BT 4097-8192 H=4096 V=128256 bfloat16 tp1"
     assert listed["times_ms"] == {"256 logits": 12.5}
     assert main(["cache", "clear"]) == 0
     assert "deleted 1 picks" in capsys.readouterr().out
     assert "Measured:    not yet" in policy().explain(problem, gpu)
+
+
+# --- the forms measured --------------------------------------------------------------------------------------
+
+
+def _forms(family: str, problem: Problem, **params) -> list[str]:
+    """The forms a measured search of ``problem`` times on a synthetic ``family`` GPU (its candidates' forms)."""
+    from flce_policy.engine.measured_head import MeasuredHead
+    from flce_policy.plan.device import DeviceInfo
+
+    device = DeviceInfo.synthetic(family)
+    strategy = Measured(max_slab="2GiB", **params)
+    head = MeasuredHead(strategy, device, rule="default", slab_form=None, fallback=None, clock=None)  # type: ignore[arg-type]
+    search = head._search(problem, "")
+    return list(dict.fromkeys(g.slab_form for g in search.search.geometries))
+
+
+def test_form_margin_prunes_the_forms_predicted_slow():
+    """On an H100 at a 1024-wide head the logits slab is predicted 23% slower than the row-scaled one: not measured
+    (its kernels not compiled); at a 5376-wide head 2% slower: both measured; None measures every form it runs."""
+    small, large = Problem(16384, 1024, 131072), Problem(8192, 5376, 262144)
+    assert _forms("H100", small) == ["scaled_exp_rows"]
+    assert _forms("H100", large) == ["scaled_exp_rows", "logits"]
+    assert _forms("H100", small, form_margin=None) == ["scaled_exp_rows", "logits"]
+    assert _forms("H200", small, form_margin=None) == ["scaled_exp_ws", "scaled_exp_rows", "logits"]
+    assert _forms("H100", small, slab_forms=["logits"]) == ["logits"]  # a list is measured as given
+    assert _forms("A100", small) == ["logits"]  # the only form before Hopper
+
+
+def test_form_margin_round_trips_and_is_checked():
+    for margin in (0.25, None, 0):
+        strategy = Measured(max_slab="1GiB", form_margin=margin)
+        assert strategy_from_config(strategy.to_config()) == strategy
+        assert strategy_from_config(strategy.to_config()).form_margin == margin
+    for bad in (-0.1, "10%", True):
+        with pytest.raises(StrategyError, match="form_margin must be a number >= 0"):
+            Measured(max_slab="1GiB", form_margin=bad).validate_params()

@@ -61,4 +61,7 @@ def test_first_calls_and_a_second_process(monkeypatch, capsys):
     checks = report["first_calls"]
     assert (checks["rule"]["measuring_calls"], checks["measured"]["measuring_calls"]) == (0, 3)
     assert checks["second"]["measuring_calls"] == 0
+    assert (checks["rule"]["forms_measured"], checks["measured"]["forms_measured"]) == ([], ["logits"])
+    for side in ("rule", "measured", "second"):
+        assert 0 < checks[side]["first_call_seconds"] <= checks[side]["seconds"]
     assert report["goals_met"]["second_process_measures_nothing"] is True

@@ -57,7 +57,15 @@ from flce_policy.engine.policy import DeviceRule, FLCEPolicy
 from flce_policy.plan.cost_model import DeviceRates, fit_rates, predict_seconds, rate_coefficients, rates_for
 from flce_policy.plan.device import DeviceInfo
 from flce_policy.plan.geometry import Geometry
-from flce_policy.plan.measuring import FORM_ORDER, SMALLEST_CHUNK, TOLERANCE, candidate_rows, pick
+from flce_policy.plan.measuring import (
+    FORM_ORDER,
+    SMALLEST_CHUNK,
+    TOLERANCE,
+    bucket_problem,
+    candidate_rows,
+    measured_forms,
+    pick,
+)
 from flce_policy.plan.problem import Problem
 from flce_policy.plan.scaled_exp import is_scaled_exp, runnable_slab_form
 from flce_policy.plan.units import exact_size, format_bytes, parse_bytes
@@ -131,7 +139,8 @@ def measured_strategy(
 ) -> Measured:
     """``--strategy measured``: the ``measured`` strategy within ``--max-slab`` (else the largest slab that fit),
     its ``picks`` at each shape what it would keep there (:func:`flce_policy.plan.measuring.pick` over the rows
-    that fit the limits, every form measured), so a cluster given the file measures only other problems."""
+    that fit the limits, in the forms it would measure: :func:`flce_policy.plan.measuring.measured_forms`), so a
+    cluster given the file measures only other problems."""
     times: dict[Shape, dict[Geometry, float]] = {}
     for record in records:
         form = _FORM_OF_FAMILY.get(record.family)
@@ -142,9 +151,13 @@ def measured_strategy(
         times.setdefault(record.shape, {})[geometry] = record.median_ms  # type: ignore[assignment]
     if not times:
         raise ValueError(f"no measured row fits the limits ({limits.describe()}): nothing to pick")
+    slab = limits.max_slab or max(g.slab_bytes for shape in times.values() for g in shape)
+    strategy = Measured(max_slab=exact_size(slab))
     picks = []
     for (tokens, hidden, vocab), measured in sorted(times.items()):
-        kept = pick(measured)
+        limit = strategy.limit(bucket_problem(Problem(tokens, hidden, vocab, dtype=dtype)), device)
+        forms = measured_forms(limit, device, strategy.planned_rates(device), form_margin=strategy.form_margin)
+        kept = pick({g: t for g, t in measured.items() if g.slab_form in forms} or measured)
         picks.append(
             {
                 "tokens": tokens,
@@ -154,8 +167,8 @@ def measured_strategy(
                 "slab_form": kept.slab_form,
             }
         )
-    slab = limits.max_slab or max(g.slab_bytes for shape in times.values() for g in shape)
-    return Measured(max_slab=exact_size(slab), picks=picks)
+    strategy.picks = picks
+    return strategy
 
 
 def slab_forms_for(shape: Shape, device: DeviceInfo, dtype: str = "bfloat16") -> tuple[str, ...]:

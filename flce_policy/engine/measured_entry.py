@@ -1,19 +1,18 @@
-"""A ``measured`` strategy's state in a policy: per kind of call, the search under way or the pick it kept.
+"""A ``measured`` strategy's answer for one problem: its bucket's pick at its BT, or the candidate a call times.
 
 The policy holds one :class:`MeasuredEntry` per (problem, device) where its strategy measures
-(:attr:`~flce_policy.strategies.ChunkStrategy.measures`) and a clock can time the calls. Each loss call asks
-:meth:`MeasuredEntry.for_call` with its kind (the options that change the kernels, :func:`call_kind`'s string):
+(:attr:`~flce_policy.strategies.ChunkStrategy.measures`) and a clock can time the calls; the entries of one head
+share a :class:`~flce_policy.engine.measured_head.MeasuredHead`, which keeps the picks and searches per BT bucket.
+Each loss call asks :meth:`MeasuredEntry.for_call` with its kind (the options that change the kernels,
+:func:`call_kind`'s string):
 
-- once a kind has its pick, the answer is one dict lookup, as a cached geometry's is;
-- before that, a pick from the strategy's ``picks`` or from the disk cache (:mod:`flce_policy.engine.pick_cache`)
-  is taken without measuring; else the call runs the next candidate of a
-  :class:`~flce_policy.plan.measuring.Search` and hands back a :class:`Trial`, which the call layer starts and
-  stops around its work. A timed call's lap is read at the next call of the kind (its CUDA events are done by
-  then), so no call waits for the GPU to time itself.
+- once the kind's bucket has its pick, the answer is one dict lookup (under a process group, and a call count);
+- before that the call runs the next candidate at its own BT and hands back a :class:`Trial`, which the call layer
+  starts and stops around its work. A timed call's lap is read at the next call of the bucket (its CUDA events
+  are done by then), so no call waits for the GPU to time itself, and scaled to the bucket's top BT.
 
 A candidate that runs out of memory completes at fewer rows through the OOM fallback (the call's result is that
-of a clean run at those rows) and is dropped with every candidate of as many rows. Under a process group (and
-``broadcast``), rank 0 searches and broadcasts what each call runs, and the pick; the other ranks run that.
+of a clean run at those rows) and is dropped with every candidate of as many rows.
 """
 
 from __future__ import annotations
@@ -21,15 +20,14 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from flce_policy.engine import pick_cache
 from flce_policy.engine.clock import Clock, Lap
+from flce_policy.engine.measured_head import BucketSearch, MeasuredHead, Step
 from flce_policy.engine.planned import planned_geometry
-from flce_policy.plan.device import DeviceInfo
 from flce_policy.plan.geometry import Geometry
-from flce_policy.plan.measuring import Search, candidates
+from flce_policy.plan.measuring import BucketPick, bucket_problem
 from flce_policy.plan.oom import OOMFallback
 from flce_policy.plan.problem import Problem
-from flce_policy.strategies import ChunkStrategy, FreeMemory
+from flce_policy.strategies import FreeMemory
 
 __all__ = ["MeasuredEntry", "Trial", "PLAIN_KIND"]
 
@@ -40,10 +38,13 @@ PLAIN_KIND = ""
 class Trial:
     """One measuring call: the candidate it runs and whether its time counts; the call layer starts and stops it."""
 
-    __slots__ = ("state", "geometry", "timed", "clock")
+    __slots__ = ("search", "candidate", "geometry", "timed", "clock", "scale")
 
-    def __init__(self, state: _KindSearch, geometry: Geometry, timed: bool, clock: Clock) -> None:
-        self.state, self.geometry, self.timed, self.clock = state, geometry, timed, clock
+    def __init__(
+        self, search: BucketSearch, candidate: Geometry, geometry: Geometry, timed: bool, clock: Clock, scale: float
+    ) -> None:
+        self.search, self.candidate, self.geometry, self.timed = search, candidate, geometry, timed
+        self.clock, self.scale = clock, scale
 
     def start(self, device: Any) -> Lap:
         """Mark the start of the call's work on ``device`` (a torch device)."""
@@ -55,62 +56,22 @@ class Trial:
         if completed.chunk_size < self.geometry.chunk_size:
             return  # the OOM fallback's remember dropped the candidate; this time is not its
         if self.timed:
-            self.state.pending.append((self.geometry, lap))
+            self.search.pending.append((self.candidate, lap, self.scale))
         else:
-            self.state.search.record(self.geometry, None)  # type: ignore[union-attr]
-
-
-class _KindSearch:
-    """One kind's measuring: the search (rank 0's, or this process's), the laps not yet read, the cache key."""
-
-    def __init__(
-        self, search: Search | None, key: pick_cache.PickKey | None, group: Any, limit: Geometry | None = None
-    ) -> None:
-        self.search = search  # None on a rank that follows rank 0
-        self.key = key
-        self.limit = limit
-        self.asked_known = False
-        self.group = group  # torch.distributed's default group when rank 0 decides for every rank
-        self.pending: list[tuple[Geometry, Lap]] = []
-        self.fell_back: Geometry | None = None  # the rows an OOM fallback completed at, the smallest known to fit
-
-    def oom(self, completed: Geometry) -> None:
-        """The OOM fallback's remember: the candidate ran out of memory and the call completed at ``completed``."""
-        self.fell_back = completed
-        if self.search is not None:
-            self.search.drop_from(completed.chunk_size + 1)
-
-    def read_laps(self) -> None:
-        for geometry, lap in self.pending:
-            self.search.record(geometry, lap.seconds())  # type: ignore[union-attr]
-        self.pending.clear()
+            self.search.search.record(self.candidate, None)
 
 
 class MeasuredEntry:
-    """A ``measured`` strategy's picks and searches for one (problem, device), per kind of call."""
+    """A ``measured`` strategy's geometry for one (problem, device), per kind of call, from its head's buckets."""
 
-    def __init__(
-        self,
-        strategy: ChunkStrategy,
-        problem: Problem,
-        device: DeviceInfo,
-        *,
-        rule: str,
-        slab_form: str | None,
-        grad_weight_filter: float | None,
-        grad_weight_filter_rescue: int | None,
-        fallback: OOMFallback | None,
-        clock: Clock,
-    ) -> None:
-        self.strategy, self.problem, self.device, self.rule, self.pin = strategy, problem, device, rule, slab_form
-        self.filter = (grad_weight_filter, grad_weight_filter_rescue)
-        self.fallback = fallback  # the policy's settings (min_chunk_size), or None: an OOM propagates
-        self.clock = clock
-        #: what runs where nothing was measured (the limit, in the engine's form): explain, a vocab-parallel head
-        self.static = planned_geometry(strategy, problem, device, rule=rule, slab_form=slab_form).with_filter(
-            *self.filter
-        )
-        self.kinds: dict[str, Geometry | _KindSearch] = {}
+    def __init__(self, head: MeasuredHead, problem: Problem, *, grad_weight_filter: Any, rescue: Any) -> None:
+        self.head, self.problem = head, problem
+        self.bucket = bucket_problem(problem)
+        #: the limit in the engine's form: what runs where nothing was measured, the most rows a call may run
+        self.static = planned_geometry(
+            head.strategy, problem, head.device, rule=head.rule, slab_form=head.pin
+        ).with_filter(grad_weight_filter, rescue)
+        self.picked: dict[str, Geometry] = {}
         self.fallbacks: dict[str, OOMFallback | None] = {}
         self.sources: dict[str, str] = {}  # kind -> where its pick came from (explain)
         self._resolved: Geometry | None = None  # resolve()'s answer, until a pick is kept
@@ -119,142 +80,87 @@ class MeasuredEntry:
 
     def for_call(self, kind: str) -> tuple[Geometry, OOMFallback | None, Trial | None]:
         """The geometry a call of ``kind`` runs, its OOM fallback, and the trial that times it (None once picked)."""
-        slot = self.kinds.get(kind)
-        if type(slot) is Geometry:
-            if self.strategy.free_memory is not None:  # type: ignore[attr-defined]
-                return self._within_free_memory(slot), self.fallbacks[kind], None
-            return slot, self.fallbacks[kind], None
-        return self._measuring(kind, slot)  # type: ignore[arg-type]
+        geometry = self.picked.get(kind)
+        if geometry is not None and self.head.kinds[kind].sync is None:
+            return self._within_free_memory(geometry), self.fallbacks[kind], None
+        head = self.head
+        if head.kind(kind).sync is None:
+            return self._answer(kind, head.local_call(self.bucket, kind))
+        return self._answer(kind, head.group_call(self.bucket, kind))
+
+    def _answer(self, kind: str, decision: Step | BucketPick | None) -> tuple[Geometry, OOMFallback | None, Any]:
+        if decision is None:  # under a process group, a bucket not settled yet: the limit
+            return self.static, self._plain_fallback(), None
+        if type(decision) is BucketPick:
+            return self._within_free_memory(self._kept(kind, decision)), self.fallbacks[kind], None
+        return self._run(decision)  # type: ignore[arg-type]
 
     # --- measuring -----------------------------------------------------------------------------
 
-    def _measuring(self, kind: str, state: _KindSearch | None) -> tuple[Geometry, OOMFallback | None, Trial | None]:
-        if state is None:
-            state = self._start(kind)
-            self.kinds[kind] = state
-        decision = self._decide(state, kind) if state.search is not None else None
-        if state.group is not None:
-            decision = self._shared(decision, state)
-        if decision[0] == "pick":  # type: ignore[index]
-            geometry = self._kept(kind, decision[1], decision[2])  # type: ignore[index, misc]
-            if state.search is not None and decision[2] == "measured" and state.key is not None:  # type: ignore[index]
-                pick_cache.store(state.key, geometry, state.search.times)
-            return self.for_call(kind)
-        _, geometry, timed = decision  # type: ignore[misc]
-        if state.search is None:  # a following rank: runs rank 0's choice, untimed, remembering nothing on OOM
-            return geometry, None if self.fallback is None else OOMFallback(self.fallback.min_chunk_size), None
-        fallback = None if self.fallback is None else OOMFallback(self.fallback.min_chunk_size, state.oom)
-        return geometry, fallback, Trial(state, geometry, timed, self.clock)
+    def _run(self, step: Step) -> tuple[Geometry, OOMFallback | None, Trial | None]:
+        candidate = step.candidate
+        geometry = BucketPick.of(candidate, "measured candidate").for_call(self.static)
+        search = step.search
+        if search is None:  # a rank following rank 0: untimed, remembering nothing on OOM
+            return geometry, self._plain_fallback(), None
+        if geometry.chunk_size < min(candidate.chunk_size, self.problem.tokens):
+            # this BT's own limit is below the candidate: it cannot be measured here, nor picked for the bucket
+            search.search.drop_from(geometry.chunk_size + 1)
+            return geometry, self._plain_fallback(), None
+        fallback = None if self.head.fallback is None else OOMFallback(self.head.fallback.min_chunk_size, search.oom)
+        scale = self.bucket.tokens / self.problem.tokens  # a call's time as the bucket's top BT's
+        return geometry, fallback, Trial(search, candidate, geometry, step.timed, self.head.clock, scale)
 
-    def _start(self, kind: str) -> _KindSearch:
-        strategy = self.strategy
-        group = _broadcast_group() if strategy.broadcast else None  # type: ignore[attr-defined]
-        if group is not None and _rank() != 0:
-            return _KindSearch(None, None, group)
-        limit = strategy.limit(self.problem, self.device, rule=self.rule)  # type: ignore[attr-defined]
-        forms = [self.pin] if self.pin is not None else strategy.slab_forms  # type: ignore[attr-defined]
-        geometries = [
-            g.with_filter(*self.filter)
-            for g in candidates(limit, self.device, rows=strategy.rows, slab_forms=forms)  # type: ignore[attr-defined]
-        ]
-        search = Search(
-            geometries,
-            warmup_calls=strategy.warmup_calls,  # type: ignore[attr-defined]
-            timed_calls=strategy.timed_calls,  # type: ignore[attr-defined]
-            tolerance=strategy.tolerance,  # type: ignore[attr-defined]
-        )
-        key = None
-        if strategy.cache:  # type: ignore[attr-defined]
-            key = pick_cache.pick_key(self.device, self.problem, kind, strategy.params_key())
-        return _KindSearch(search, key, group, limit)
+    def _plain_fallback(self) -> OOMFallback | None:
+        return None if self.head.fallback is None else OOMFallback(self.head.fallback.min_chunk_size)
 
-    def _decide(self, state: _KindSearch, kind: str) -> tuple:
-        """This process's decision: ``("pick", geometry, source)`` or ``("run", geometry, timed)``."""
-        search = state.search
-        if not state.asked_known:  # the kind's first call: a pick from picks or the cache, if there is one
-            state.asked_known = True
-            known = self._known(state.key, state.limit)
-            if known is not None:
-                return ("pick", *known)
-        state.read_laps()
-        step = search.next()  # type: ignore[union-attr]
-        if step is not None:
-            return ("run", *step)
-        if search.times:  # type: ignore[union-attr]
-            return ("pick", search.pick(), "measured")  # type: ignore[union-attr]
-        # every candidate ran out of memory: the rows the OOM fallback completed at, else the limit's
-        return ("pick", state.fell_back or self.static, "measured")
+    def _kept(self, kind: str, pick: BucketPick) -> Geometry:
+        geometry = self.picked.get(kind)
+        if geometry is None:
+            geometry = self._keep(kind, pick.for_call(self.static), pick.source)
+        return geometry
 
-    def _known(self, key: pick_cache.PickKey | None, limit: Geometry) -> tuple[Geometry, str] | None:
-        """A pick that needs no measuring: the strategy's ``picks``, else the disk cache's."""
-        seeded = self.strategy.seeded_pick(self.problem)  # type: ignore[attr-defined]
-        if seeded is not None:
-            rows, form = seeded
-            try:
-                return Geometry.for_problem(
-                    self.problem, min(rows, self.problem.tokens), vocab_chunk=limit.vocab_chunk,
-                    accum_dtype=limit.accum_dtype, slab_form=form, strategy=f"picks ({self.strategy!r})",
-                    rule=self.rule,
-                ), "picks"  # fmt: skip
-            except ValueError:
-                pass  # the form cannot run this problem: measured instead
-        if key is None:
-            return None
-        cached = pick_cache.load(key)
-        if cached is None:
-            return None
-        try:
-            return cached.geometry(limit), f"cache, measured {cached.measured_at}"
-        except ValueError:
-            return None
-
-    def _shared(self, decision: tuple | None, state: _KindSearch) -> tuple:
-        """Rank 0's decision, on every rank (one broadcast per call while the kind is measured)."""
-        import torch.distributed as dist
-
-        message = [None if decision is None else _to_message(decision)]
-        dist.broadcast_object_list(message, src=0, group=state.group)
-        if decision is not None:  # rank 0 keeps its own objects
-            return decision
-        return _from_message(message[0], self.problem, self.static)
-
-    def _kept(self, kind: str, geometry: Geometry, source: str) -> Geometry:
-        geometry = geometry.with_filter(*self.filter)
-        self.kinds[kind] = geometry
+    def _keep(self, kind: str, geometry: Geometry, source: str) -> Geometry:
+        self.picked[kind] = geometry
         self._resolved = None
         self.sources[kind] = source
         self.fallbacks[kind] = (
             None
-            if self.fallback is None
-            else OOMFallback(self.fallback.min_chunk_size, functools.partial(self.remember, kind))
+            if self.head.fallback is None
+            else OOMFallback(self.head.fallback.min_chunk_size, functools.partial(self.remember, kind))
         )
         return geometry
 
     # --- after the pick ------------------------------------------------------------------------
 
     def remember(self, kind: str, geometry: Geometry) -> None:
-        """An OOM after the pick: the rows that completed are the kind's from now on."""
-        self._kept(kind, geometry, f"{self.sources.get(kind, 'measured')}; then an OOM fallback")
+        """An OOM after the pick: the rows that completed are the kind's from now on, here and for the bucket's
+        problems seen later."""
+        self._keep(kind, geometry, f"{self.sources.get(kind, 'measured')}; then an OOM fallback")
+        self.head.lower(self.bucket, kind, geometry.chunk_size)
 
     def _within_free_memory(self, geometry: Geometry) -> Geometry:
-        fits = FreeMemory(fraction=self.strategy.free_memory).geometry(self.problem, self.device)  # type: ignore[attr-defined]
+        fraction = self.head.strategy.free_memory  # type: ignore[attr-defined]
+        if fraction is None:
+            return geometry
+        fits = FreeMemory(fraction=fraction).geometry(self.problem, self.head.device)
         if fits.chunk_size >= geometry.chunk_size:
             return geometry
         return Geometry.for_problem(
             self.problem, fits.chunk_size, vocab_chunk=geometry.vocab_chunk, accum_dtype=geometry.accum_dtype,
-            slab_form=geometry.slab_form, strategy=f"{geometry.strategy}, within free memory now", rule=self.rule,
+            slab_form=geometry.slab_form, strategy=f"{geometry.strategy}, within free memory now", rule=self.head.rule,
         ).with_filter(geometry.grad_weight_filter, geometry.grad_weight_filter_rescue)  # fmt: skip
 
     def known_pick(self, kind: str = PLAIN_KIND) -> tuple[Geometry, str] | None:
         """The pick a call of ``kind`` would run without measuring, and where it came from; None if it needs one."""
-        slot = self.kinds.get(kind)
-        if type(slot) is Geometry:
-            return slot, self.sources.get(kind, "measured")
-        key = None
-        if self.strategy.cache:  # type: ignore[attr-defined]
-            key = pick_cache.pick_key(self.device, self.problem, kind, self.strategy.params_key())
-        known = self._known(key, self.strategy.limit(self.problem, self.device, rule=self.rule))  # type: ignore[attr-defined]
-        return None if known is None else (known[0].with_filter(*self.filter), known[1])
+        geometry = self.picked.get(kind)
+        if geometry is not None:
+            return geometry, self.sources[kind]
+        state = self.head.kinds.get(kind)
+        pick = None if state is None else state.picks.get(self.bucket.tokens)
+        if pick is None:
+            pick = self.head.known(self.bucket, kind)
+        return None if pick is None else (pick.for_call(self.static), pick.source)
 
     def resolve(self) -> Geometry:
         """The plain kind's pick if known without measuring, else the limit's geometry (explain, a vocab-parallel
@@ -263,35 +169,3 @@ class MeasuredEntry:
             known = self.known_pick()
             self._resolved = self.static if known is None else known[0]
         return self._resolved
-
-
-def _to_message(decision: tuple) -> tuple:
-    geometry = decision[1]
-    return (decision[0], geometry.chunk_size, geometry.vocab_chunk, geometry.slab_form, decision[2])
-
-
-def _from_message(message: Any, problem: Problem, static: Geometry) -> tuple:
-    """Rank 0's decision, rebuilt from its sizes on another rank."""
-    kind, rows, vocab_chunk, form, extra = message
-    geometry = Geometry.for_problem(
-        problem, rows, vocab_chunk=vocab_chunk, accum_dtype=static.accum_dtype, slab_form=form,
-        strategy=f"measured on rank 0 ({static.strategy})", rule=static.rule,
-    )  # fmt: skip
-    return (kind, geometry, "rank 0" if kind == "pick" else extra)
-
-
-def _broadcast_group() -> Any:
-    """torch.distributed's default group when one is up with more than one rank, else None."""
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return None
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return None
-    return dist.group.WORLD
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank()

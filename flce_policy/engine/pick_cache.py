@@ -1,8 +1,9 @@
 """Measured picks on disk: a second run of the same training starts from its first run's picks, measuring nothing.
 
 One JSON file per pick, under ``$FLCE_POLICY_CACHE`` (else the user's cache folder, ``platformdirs``), named by a
-hash of its key: the GPU (name, total memory, driver), the torch, Triton and flce-policy versions, the problem, the
-kind of call and the ``measured`` strategy's parameters. Anything else changes the key, so a pick is never used
+hash of its key: the GPU (name, total memory, driver), the torch, Triton and flce-policy versions, the problem's BT
+bucket (:func:`flce_policy.plan.measuring.bucket_problem`), the kind of call and the ``measured`` strategy's
+parameters. Anything else changes the key, so a pick is never used
 where it was not measured. A file that cannot be read, does not parse, or holds another key (foreign: copied from
 elsewhere) is ignored with one :class:`PickCacheWarning`, never trusted; the pick is measured again and rewritten.
 Files are written whole and renamed into place, so ranks and processes sharing the folder never read half a file.
@@ -23,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flce_policy.plan.device import DeviceInfo
 from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.measuring import BucketPick, bucket_label, bucket_problem
 from flce_policy.plan.problem import Problem
 
 __all__ = [
@@ -66,7 +68,7 @@ class PickKey(BaseModel):
 
 
 class CachedPick(BaseModel):
-    """One file: its key, the geometry picked, when, and the candidates' times."""
+    """One file: its key, the geometry picked (rows of the bucket's top BT), when, and the candidates' times."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -78,12 +80,9 @@ class CachedPick(BaseModel):
     measured_at: str
     times_ms: dict[str, float] = {}
 
-    def geometry(self, limit: Geometry) -> Geometry:
-        """The pick as a geometry of ``limit``'s problem (ValueError when it does not fit that problem)."""
-        return Geometry.for_problem(
-            limit.problem, self.chunk_size, vocab_chunk=self.vocab_chunk, accum_dtype=limit.accum_dtype,
-            slab_form=self.slab_form, strategy=f"measured {self.measured_at} ({limit.strategy})", rule=limit.rule,
-        )  # fmt: skip
+    def pick(self) -> BucketPick:
+        """The bucket's pick, its source saying when it was measured."""
+        return BucketPick(self.chunk_size, self.vocab_chunk, self.slab_form, f"cache, measured {self.measured_at}")
 
 
 def cache_dir() -> Path:
@@ -144,8 +143,10 @@ def environment(device: DeviceInfo) -> dict[str, Any]:
 
 
 def pick_key(device: DeviceInfo, problem: Problem, kind: str, strategy: str) -> PickKey:
-    """The key of ``problem``'s pick for calls of ``kind`` under a ``measured`` strategy (its params_key)."""
-    shape = f"{problem.tokens}x{problem.hidden}x{problem.vocab} {problem.dtype} tp{problem.tp_size}"
+    """The key of the pick of ``problem``'s bucket for calls of ``kind`` under a ``measured`` strategy (its
+    params_key)."""
+    bucket = bucket_problem(problem)
+    shape = f"{bucket_label(bucket)} H={bucket.hidden} V={bucket.vocab} {bucket.dtype} tp{bucket.tp_size}"
     return PickKey(**environment(device), problem=shape, kind=kind, strategy=strategy)
 
 
@@ -180,14 +181,14 @@ def _parsed(path: Path, text: str) -> CachedPick | None:
         return None
 
 
-def store(key: PickKey, geometry: Geometry, times: dict[Geometry, float]) -> None:
-    """Keep ``geometry`` as the pick under ``key`` (a failure to write is one warning: the run goes on)."""
+def store(key: PickKey, pick: BucketPick, times: dict[Geometry, float]) -> None:
+    """Keep ``pick`` under ``key`` (a failure to write is one warning: the run goes on)."""
     cached = CachedPick(
         format=_FORMAT,
         key=key,
-        chunk_size=geometry.chunk_size,
-        vocab_chunk=geometry.vocab_chunk,
-        slab_form=geometry.slab_form,
+        chunk_size=pick.rows,
+        vocab_chunk=pick.vocab_chunk,
+        slab_form=pick.slab_form,
         measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         times_ms={f"{g.chunk_size} {g.slab_form}": round(t * 1e3, 4) for g, t in times.items()},
     )

@@ -21,12 +21,14 @@ from flce_policy.engine.config import (
     parse_config,
 )
 from flce_policy.engine.measured_entry import MeasuredEntry, Trial
+from flce_policy.engine.measured_head import MeasuredHead
 from flce_policy.engine.planned import form_choice, planned_geometry
 from flce_policy.plan.collectives import comm_plan
 from flce_policy.plan.cost_model import predict_seconds
 from flce_policy.plan.device import DeviceInfo
 from flce_policy.plan.form_choice import checked_slab_form
 from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.measuring import bucket_label, bucket_problem
 from flce_policy.plan.memory import gathered_head_bytes, predict_peak
 from flce_policy.plan.oom import DEFAULT_MIN_CHUNK_SIZE, OOMFallback
 from flce_policy.plan.problem import Problem
@@ -208,6 +210,7 @@ class FLCEPolicy:
         self.source = source
         self._cache: dict[tuple[Problem, DeviceInfo], Geometry | _AskEachCall | MeasuredEntry] = {}
         self._filter_rests: dict[tuple[Problem, DeviceInfo], FilterRest] = {}
+        self._measured_heads: dict[tuple[Any, ...], MeasuredHead] = {}  # a measured strategy's buckets, per head
         self._probed: DeviceInfo | None = None
         from flce_policy.engine.policy_keys import register_policy  # the compiled loss finds it by id
 
@@ -372,11 +375,14 @@ class FLCEPolicy:
             return _AskEachCall(rule, strategy, grad_weight_filter=eps, grad_weight_filter_rescue=rescue, slab_form=pin)
         clock = self.clock if self.clock is not None else clock_for(device)
         if strategy.measures and clock is not None:
-            fallback = OOMFallback(self.min_chunk_size) if self.oom_fallback else None
-            return MeasuredEntry(
-                strategy, problem, device, rule=rule, slab_form=pin, grad_weight_filter=eps,
-                grad_weight_filter_rescue=rescue, fallback=fallback, clock=clock,
-            )  # fmt: skip
+            head_key = (problem.hidden, problem.vocab, problem.dtype, problem.tp_size, device)
+            head = self._measured_heads.get(head_key)
+            if head is None:
+                fallback = OOMFallback(self.min_chunk_size) if self.oom_fallback else None
+                head = self._measured_heads[head_key] = MeasuredHead(
+                    strategy, device, rule=rule, slab_form=pin, fallback=fallback, clock=clock
+                )
+            return MeasuredEntry(head, problem, grad_weight_filter=eps, rescue=rescue)
         return planned_geometry(strategy, problem, device, rule=rule, slab_form=pin).with_filter(eps, rescue)
 
     def measured_pick(self, problem: Problem, device: DeviceInfo, kind: str = "") -> tuple[Geometry, str] | None:
@@ -430,6 +436,7 @@ class FLCEPolicy:
         strategy, say)."""
         self._cache.clear()
         self._filter_rests.clear()
+        self._measured_heads.clear()
         self._probed = None
 
     def _store(self, key: tuple[Problem, DeviceInfo], entry: Geometry | _AskEachCall | MeasuredEntry) -> None:
@@ -513,10 +520,12 @@ class FLCEPolicy:
         if not strategy.measures:
             return {}
         known = self.measured_pick(problem, device)
+        bucket = bucket_label(bucket_problem(problem))  # what a pick is measured and cached for
         if known is None:
-            return {"measured": None}
+            return {"measured": None, "bucket": bucket}
         geometry, source = known
-        return {"measured": {"chunk_size": geometry.chunk_size, "slab_form": geometry.slab_form, "source": source}}
+        pick = {"chunk_size": geometry.chunk_size, "slab_form": geometry.slab_form, "source": source}
+        return {"measured": pick, "bucket": bucket}
 
     def explain(self, problem: Problem, device: DeviceInfo | None = None, *, master_dtype: str | None = None) -> str:
         """A readable account of the decision for ``problem`` on ``device`` (probed when None)."""
@@ -539,7 +548,7 @@ class FLCEPolicy:
             ("Policy", d["policy"]),
             ("Rule", d["rule"]),
             ("Strategy", f"{d['strategy']} ({params}){when}"),
-            *([("Measured", _measured_note(d["measured"], device))] if "measured" in d else []),
+            *([("Measured", _measured_note(d["measured"], device, d["bucket"]))] if "measured" in d else []),
             ("Chunk size", f"{d['chunk_size']} rows (last chunk {d['last_chunk_size']})"),
             ("Chunks", f"{d['num_chunks']} chunks over BT={problem.tokens}"),
             *(
@@ -602,14 +611,15 @@ class FLCEPolicy:
         )
 
 
-def _measured_note(measured: dict[str, Any] | None, device: DeviceInfo) -> str:
+def _measured_note(measured: dict[str, Any] | None, device: DeviceInfo, bucket: str) -> str:
+    of = f" (the bucket {bucket})"
     if measured is not None:
-        return f"{measured['chunk_size']} rows on the {measured['slab_form']} slab, from {measured['source']}"
+        return f"{measured['chunk_size']} rows on the {measured['slab_form']} slab, from {measured['source']}{of}"
     if device.index is None and device.is_gpu:
-        return "on that GPU: its first calls of a problem time the candidates within the limit below"
+        return "on that GPU: the first calls of its BT bucket time the candidates within the limit below"
     if not device.is_gpu:
         return "nothing is measured without a GPU: the limit below runs"
-    return "not yet: the first calls of this problem time the candidates within the limit below"
+    return f"not yet: the first calls of its BT bucket{of} time the candidates within the limit below"
 
 
 def _filter_entry(eps: float | None, rescue: int | None) -> dict[str, float | int]:

@@ -3,8 +3,14 @@
 Shared by the ``measured`` strategy (timed on the training's own calls, :mod:`flce_policy.engine.measured_entry`)
 and ``flce-policy tune`` (timed by the benchmark), so that ``tune`` writes what ``measured`` would pick:
 
+- :func:`bucket_problem`: the problem a search and a pick stand for: BT rounded up to a power of two (a bucket
+  ``(top/2, top]``), since a training with dynamic padding sees a new BT nearly every step. Candidate rows are
+  powers of two, so a pick of R rows runs ``min(R, BT)`` rows (:meth:`BucketPick.for_call`) as the same number
+  of chunks, within one, at every BT of its bucket: R = top is one chunk everywhere;
 - :func:`candidates`: rows in powers of two from :data:`SMALLEST_CHUNK` up to a limit's rows (the limit's own rows
-  included: BT itself when one chunk fits), times the slab forms the GPU runs for them;
+  included: BT itself when one chunk fits), times the slab forms the GPU runs for them, less those the cost model
+  predicts more than ``form_margin`` slower than the fastest (:func:`measured_forms`: each form's first call
+  compiles its kernels, seconds on a fresh cache);
 - :func:`pick`: of the times measured, the fastest within :data:`TOLERANCE` of the best, preferring the smaller
   slab (memory a slab does not take is memory the rest of the step keeps);
 - :class:`Search`: the order one problem's candidates are timed in. Each form from its most rows down, each
@@ -20,12 +26,29 @@ Pure Python on :class:`~flce_policy.plan.geometry.Geometry`: nothing here times 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import NamedTuple
 
+from .cost_model import DeviceRates, predict_seconds
 from .device import DeviceInfo
 from .form_choice import slab_form_candidates
 from .geometry import Geometry
+from .problem import Problem
+from .units import next_pow2
 
-__all__ = ["SMALLEST_CHUNK", "TOLERANCE", "FORM_ORDER", "Search", "candidate_rows", "candidates", "pick"]
+__all__ = [
+    "SMALLEST_CHUNK",
+    "TOLERANCE",
+    "FORM_MARGIN",
+    "FORM_ORDER",
+    "BucketPick",
+    "Search",
+    "bucket_label",
+    "bucket_problem",
+    "candidate_rows",
+    "candidates",
+    "measured_forms",
+    "pick",
+]
 
 #: A pick is as good as the fastest when it runs within 2% of its time: about the run-to-run spread of a call's
 #: time on an H200, so a larger slab buys nothing sure.
@@ -35,6 +58,45 @@ TOLERANCE = 0.02
 SMALLEST_CHUNK = 256
 #: The order forms are measured in (and a tie between equal slabs is broken in): the fewest passes first.
 FORM_ORDER = ("scaled_exp_ws", "scaled_exp_rows", "logits")
+#: Forms predicted more than 10% slower than the fastest are not measured: the cost model's error on the forms is
+#: within about that (tests/test_fastest.py holds the H200's rows within 12%), and each form measured costs its
+#: kernels' compile on the training's first calls.
+FORM_MARGIN = 0.10
+
+
+def bucket_problem(problem: Problem) -> Problem:
+    """The bucket ``problem`` is measured and cached under: its BT rounded up to a power of two, at least
+    :data:`SMALLEST_CHUNK` (below it a chunk is one chunk of BT rows anyway)."""
+    top = max(SMALLEST_CHUNK, next_pow2(problem.tokens))
+    return problem if top == problem.tokens else problem.model_copy(update={"tokens": top})
+
+
+def bucket_label(bucket: Problem) -> str:
+    """``"BT 2049-4096"``: the token counts a bucket (a :func:`bucket_problem`) holds."""
+    low = 1 if bucket.tokens <= SMALLEST_CHUNK else bucket.tokens // 2 + 1
+    return f"BT {low}-{bucket.tokens}"
+
+
+class BucketPick(NamedTuple):
+    """A bucket's geometry, in rows of its top (a candidate, or the pick kept), and where it came from."""
+
+    rows: int
+    vocab_chunk: int
+    slab_form: str
+    source: str = "measured"
+
+    @classmethod
+    def of(cls, geometry: Geometry, source: str = "measured") -> BucketPick:
+        return cls(geometry.chunk_size, geometry.vocab_chunk, geometry.slab_form, source)
+
+    def for_call(self, limit: Geometry) -> Geometry:
+        """The geometry a call of ``limit``'s problem runs: these rows and columns within its limit (a problem's
+        limit is per row, so below it as a rule: the least of R and BT)."""
+        return Geometry.for_problem(
+            limit.problem, min(self.rows, limit.chunk_size), vocab_chunk=min(self.vocab_chunk, limit.vocab_chunk),
+            accum_dtype=limit.accum_dtype, slab_form=self.slab_form, strategy=f"{self.source} ({limit.strategy})",
+            rule=limit.rule,
+        ).with_filter(limit.grad_weight_filter, limit.grad_weight_filter_rescue)  # fmt: skip
 
 
 def candidate_rows(limit_rows: int, rows: Iterable[int] | None = None) -> tuple[int, ...]:
@@ -49,26 +111,38 @@ def candidate_rows(limit_rows: int, rows: Iterable[int] | None = None) -> tuple[
     return tuple(sorted(set(sizes), reverse=True))
 
 
-def candidates(
+def measured_forms(
     limit: Geometry,
     device: DeviceInfo,
+    rates: DeviceRates,
     *,
-    rows: Iterable[int] | None = None,
     slab_forms: Sequence[str] | None = None,
-) -> list[Geometry]:
-    """The geometries to measure for ``limit``'s problem on ``device``: :func:`candidate_rows` under ``limit``'s
-    rows, in ``limit``'s vocab tiles, times ``slab_forms`` (default: the forms
-    :func:`~flce_policy.plan.form_choice.slab_form_candidates` says the GPU runs; the logits slab alone on the
-    CPU, whose interpreter only tests run), grouped by form in :data:`FORM_ORDER`, most rows first."""
+    form_margin: float | None = FORM_MARGIN,
+) -> list[str]:
+    """The slab forms to measure for ``limit``'s problem on ``device``, in :data:`FORM_ORDER`: ``slab_forms`` (a
+    pin, a strategy's list) where it runs, as given; else the forms the GPU runs (the logits slab alone on the CPU,
+    whose interpreter only tests run) predicted at ``limit``'s rows and ``rates`` within ``form_margin`` of the
+    fastest (None: every one)."""
     at_limit = limit.with_slab_form("logits")
     runnable = slab_form_candidates(at_limit, device)
-    if slab_forms is None:
-        forms = ["logits"] if not device.is_gpu else [f for f in FORM_ORDER if runnable[f] is None]
-    else:
-        forms = [f for f in FORM_ORDER if f in slab_forms and runnable[f] is None] or ["logits"]
+    if slab_forms is not None:
+        return [f for f in FORM_ORDER if f in slab_forms and runnable[f] is None] or ["logits"]
+    if not device.is_gpu:
+        return ["logits"]
+    forms = [f for f in FORM_ORDER if runnable[f] is None]
+    if form_margin is None:
+        return forms
+    seconds = {f: predict_seconds(at_limit.with_slab_form(f), rates).seconds for f in forms}
+    fastest = min(seconds.values())
+    return [f for f in forms if seconds[f] <= fastest * (1 + form_margin)]
+
+
+def candidates(limit: Geometry, forms: Sequence[str], *, rows: Iterable[int] | None = None) -> list[Geometry]:
+    """The geometries to measure for ``limit``'s problem: :func:`candidate_rows` under ``limit``'s rows, in
+    ``limit``'s vocab tiles, times ``forms`` (:func:`measured_forms`), grouped by form, most rows first."""
     sizes = candidate_rows(limit.chunk_size, rows)
     out = []
-    for form in forms:
+    for form in sorted(forms, key=_form_rank):
         for size in sizes:
             out.append(
                 Geometry.for_problem(
