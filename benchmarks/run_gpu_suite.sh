@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU half of the project, in one script, for the H200 the device tool lends:
-#   bash benchmarks/run_gpu_suite.sh [tests] [bench] [smallheads] [smallheads-busy] [compile] [hf] [sharded] [trained] [convergence]
-#     [overlap] [quick METHODS SHAPES...]
+# The GPU half of the project, in one script, for the GPU the device tool lends (H100 or H200):
+#   bash benchmarks/run_gpu_suite.sh [tests] [bench] [smallheads] [smallheads-busy] [compile] [hf] [sharded] [trained] [convergence] [overlap] [measured]
+#     [quick METHODS SHAPES...]
 # (smallheads: the small- and large-head shape sets against QuACK and Liger, and the accuracy table;
 # QuACK is installed by benchmarks/install_quack.sh from $QUACK_WHEELS (default .whl/quack/; its largest wheel
 # may come as split parts) when it is not importable, without them its rows say it is not installed; smallheads-busy: the same
@@ -16,7 +16,8 @@
 # CONVERGENCE_STEPS steps each, at CONVERGENCE_FILTER (default 2**-12), with CONVERGENCE_RESCUE's rescue if set;
 # overlap: the logits rows at 256, 512, 1024 and 2048 rows with and without grad_weight's GEMM on a side stream
 # (Geometry.overlap_weight_grad), with bench --busy-start, interleaved, 7 repeats, at 8192x5376x262144 and
-# 32768x5376x262144, then tests/test_gpu_overlap_weight_grad.py)
+# 32768x5376x262144, then tests/test_gpu_overlap_weight_grad.py; measured: benchmarks/measured_policy.py's checks,
+# the nine shapes and the first calls, with this GPU's rules removed)
 # Expects wheels in .whl/ (ours, built with `python -m build --wheel -o .whl`, plus the peers
 # liger-kernel and cut-cross-entropy, and pydantic's wheels where the machine lacks it: benchmarks/README.md); installs
 # them into /tmp/site and runs from outside the
@@ -123,6 +124,16 @@ while [ $# -gt 0 ]; do
         --methods "${rows[@]}" --out "$out/overlap" 2>&1 | tee "$out/overlap.log" || status=1
       TRITON_INTERPRET=0 python3 -m pytest "$repo/tests/test_gpu_overlap_weight_grad.py" -m gpu -s -q -p no:cacheprovider 2>&1 \
         | tee "$out/gpu_overlap_tests.log" || status=1
+      shift ;;
+    measured)
+      # measured on this GPU standing for an unknown one (its rules removed), against its rule: the nine shapes after
+      # the warm-up, then the first calls of a fresh process each side and a second process on the cache; the first
+      # calls' inputs: MEASURED_INPUTS (random, default, at 16384x1024x131072; or trained: builds the small Llama first)
+      python3 -m flce_policy.benchmarks.measured_policy --checks shapes --calls 20 --out "$out/measured_shapes" 2>&1 \
+        | tee "$out/measured_shapes.log" || status=1
+      if [ "${MEASURED_INPUTS:-random}" = random ]; then first=(--inputs random --first-shape 16384x1024x131072); else first=(--inputs "$MEASURED_INPUTS"); fi
+      python3 -m flce_policy.benchmarks.measured_policy --checks first-calls "${first[@]}" --out "$out/measured_first_calls" 2>&1 \
+        | tee "$out/measured_first_calls.log" || status=1
       shift ;;
     quick)
       python3 -m flce_policy.benchmarks.quick "$2" "${@:3}" 2>&1 | tee "$out/quick.log" || status=1
