@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _compiled_gpu import fresh_dynamo, replayed  # noqa: F401 (fresh_dynamo: an autouse fixture)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -17,14 +18,6 @@ pytestmark = [
 ]
 
 SHAPE = (4096, 1024, 32768)
-
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-    torch.cuda.empty_cache()
 
 
 def _inputs(tokens=SHAPE[0], hidden=SHAPE[1], vocab=SHAPE[2], seed=0):
@@ -129,14 +122,7 @@ def test_reduce_overhead_equals_eager_without_a_host_sync():
     want = _step(_loss, x, w, y)
     compiled = torch.compile(_loss, fullgraph=True, mode="reduce-overhead")
     counters.clear()
-    for i in range(5):  # warm-up, recording, then replays
-        torch.compiler.cudagraph_mark_step_begin()
-        if i >= 3:
-            torch.cuda.set_sync_debug_mode("error")  # a replay that synchronised would raise
-        try:
-            got = _step(compiled, x, w, y)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    for got in replayed(lambda: _step(compiled, x, w, y)):
         _assert_same(got, want)
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _compiled_gpu import fresh_dynamo, replayed  # noqa: F401 (fresh_dynamo: an autouse fixture)
 
 from flce_policy import fused_linear_cross_entropy
 from flce_policy.kernels import driver, side_stream
@@ -27,14 +28,6 @@ pytestmark = [
 SHAPE = (2048, 1024, 32768)  # BT, H, V
 CHUNK = 512  # 4 chunks: grad_weight read-modify-written by three of them
 PROBLEM = Problem(*SHAPE, dtype="bfloat16")
-
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-    torch.cuda.empty_cache()
 
 
 def _inputs(bias: bool = False, seed: int = 0):
@@ -127,14 +120,7 @@ def test_reduce_overhead_equals_eager_without_a_host_sync():
     want = _step(eager, x, w, y, None)
     compiled = torch.compile(eager, fullgraph=True, mode="reduce-overhead")
     counters.clear()
-    for i in range(5):  # warm-up, recording, then replays
-        torch.compiler.cudagraph_mark_step_begin()
-        if i >= 3:
-            torch.cuda.set_sync_debug_mode("error")  # a replay that synchronised would raise
-        try:
-            got = _step(compiled, x, w, y, None)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    for got in replayed(lambda: _step(compiled, x, w, y, None)):
         for g, e in zip(got, want, strict=True):
             # inductor compiles the code around the op (tests/test_gpu_compile.py's tolerance)
             torch.testing.assert_close(g.float(), e.float(), rtol=1e-5, atol=1e-6)

@@ -9,18 +9,12 @@ asserted). The disk cache lives in a temporary folder (``FLCE_POLICY_CACHE``).
 from __future__ import annotations
 
 import json
-import socket
-import time
-import traceback
 import warnings
-from datetime import timedelta
-from pathlib import Path
 
-import _warm_start
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from _two_ranks import rank_main, recorded_geometries, run_two_ranks
 from test_loss_kernel import NEEDS_KERNEL_DEVICE
 
 from flce_policy import DeviceRule, FLCEPolicy, OOMFallbackWarning, fused_linear_cross_entropy
@@ -314,62 +308,26 @@ def test_a_strategy_given_to_the_loss_measures_in_its_own_policy(ran, monkeypatc
 
 # --- several ranks -----------------------------------------------------------------------------------------
 
-WORLD_TIMEOUT_S = 300
-
 
 def _rank_worker(rank: int, port: int, out_dir: str, cache: str) -> None:
     import os
 
-    import _interpreter_patch
-
-    _interpreter_patch.for_tests()
-    os.environ[pick_cache.CACHE_ENV_VAR] = cache
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=120)
-    )
-    result: dict = {}
-    try:
-        seen: list[Geometry] = []
-        real = autograd.run_with_oom_fallback
-
-        def recording(*args, **kwargs):
-            out, geometry = real(*args, **kwargs)
-            seen.append(geometry)
-            return out, geometry
-
-        autograd.run_with_oom_fallback = recording
+    def body() -> dict:
+        os.environ[pick_cache.CACHE_ENV_VAR] = cache
         # rank 1's clock would pick 16 rows; rank 0's picks 32: every rank must run rank 0's choices
         times = TIMES if rank == 0 else {64: 3.0, 32: 2.0, 16: 1.0, 8: 1.2}
         clock = FakeClock(lambda g: times[g.chunk_size])
         policy = FLCEPolicy(default=measured(), min_chunk_size=1, clock=clock)
-        for step in range(12):
-            loss_and_grads(*inputs(step), policy)
-        result = {"rows": [g.chunk_size for g in seen], "timed": len(clock.ran)}
-    except Exception:  # noqa: BLE001 - reported to the test
-        result = {"error": traceback.format_exc()}
-    finally:
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-        dist.destroy_process_group()
+        with recorded_geometries() as seen:
+            for step in range(12):
+                loss_and_grads(*inputs(step), policy)
+        return {"rows": [g.chunk_size for g in seen], "timed": len(clock.ran)}
+
+    rank_main(rank, port, out_dir, body, timeout_s=120)
 
 
 def test_rank_0_measures_and_every_rank_runs_its_choices(tmp_path):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    context = _warm_start.context()
-    procs = [
-        context.Process(target=_rank_worker, args=(r, port, str(tmp_path), str(tmp_path / "picks"))) for r in range(2)
-    ]
-    for proc in procs:
-        proc.start()
-    deadline = time.monotonic() + WORLD_TIMEOUT_S
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
-        if proc.is_alive():
-            proc.kill()
-    results = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
-    for rank, result in enumerate(results):
-        assert "error" not in result, f"rank {rank}:\n{result['error']}"
+    results = run_two_ranks(_rank_worker, tmp_path, str(tmp_path / "picks"))
     expected = [64, 64, 64, 32, 32, 32, 16, 16, 16, 32, 32, 32]
     assert results[0]["rows"] == results[1]["rows"] == expected
     assert results[0]["timed"] == 9 and results[1]["timed"] == 0  # rank 1 follows, timing nothing

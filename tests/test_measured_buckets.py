@@ -9,26 +9,18 @@ small (the interpreter's time grows with the rows): the buckets BT 1-256 (at 129
 
 from __future__ import annotations
 
-import json
 import random
-import socket
-import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
-import _warm_start
 import pytest
 import torch
-import torch.distributed as dist
+from _two_ranks import rank_main, recorded_geometries, run_two_ranks
 from test_loss_kernel import NEEDS_KERNEL_DEVICE
 from test_measured import FakeClock, cache_folder, check_equal_to_plain, loss_and_grads, ran  # noqa: F401
 
 from flce_policy import FLCEPolicy
-from flce_policy.call import autograd
 from flce_policy.kernels import KERNELS_INTERPRETED
 from flce_policy.plan.device import DeviceInfo
-from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.problem import Problem
 from flce_policy.plan.units import next_pow2
 from flce_policy.strategies import Measured
@@ -137,32 +129,17 @@ CASES = {
 def _rank_worker(rank: int, port: int, out_dir: str) -> None:
     import os
 
-    import _interpreter_patch
-
     from flce_policy.engine import pick_cache
 
-    _interpreter_patch.for_tests()
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
-    )
-    result: dict = {}
-    try:
-        seen: list[Geometry] = []
-        real = autograd.run_with_oom_fallback
-
-        def recording(*args, **kwargs):
-            out, geometry = real(*args, **kwargs)
-            seen.append(geometry)
-            return out, geometry
-
-        autograd.run_with_oom_fallback = recording
+    def body() -> dict:
+        result = {}
         for case, bts in CASES.items():
             os.environ[pick_cache.CACHE_ENV_VAR] = str(Path(out_dir, case, f"picks{rank}"))
             # rank 1's clock would pick 64 rows: every rank must run rank 0's choices
             clock = per_row_clock(PER_ROW if rank == 0 else {256: 3.0, 128: 2.0, 64: 1.0})
             policy = FLCEPolicy(default=measured(), min_chunk_size=1, clock=clock)
-            del seen[:]
-            run_calls(policy, bts[rank])
+            with recorded_geometries() as seen:
+                run_calls(policy, bts[rank])
             picks = {
                 bucket: policy.measured_pick(Problem(bucket, H, V, dtype="float32"), DeviceInfo.cpu())
                 for bucket in (256, 512)
@@ -172,31 +149,15 @@ def _rank_worker(rank: int, port: int, out_dir: str) -> None:
                 "timed": len(clock.ran),
                 "picks": {b: None if p is None else p[0].chunk_size for b, p in picks.items()},
             }
-    except Exception:  # noqa: BLE001 - reported to the test
-        result = {"error": traceback.format_exc()}
-    finally:
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-        dist.destroy_process_group()
+        return result
+
+    rank_main(rank, port, out_dir, body, timeout_s=60)
 
 
 def test_ranks_with_other_bt_and_other_buckets_agree_without_a_hang(tmp_path):
     """Each case's calls pair up (a hang fails at the gloo timeout, or the join's); rank 0 alone times; a rank
     runs rank 0's candidate in rank 0's bucket, rank 0's pick once settled, else its limit (one chunk here)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    context = _warm_start.context()
-    procs = [context.Process(target=_rank_worker, args=(r, port, str(tmp_path))) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    deadline = time.monotonic() + WORLD_TIMEOUT_S
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
-        if proc.is_alive():
-            proc.kill()
-    results = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(2)]
-    for rank, result in enumerate(results):
-        assert "error" not in result, f"rank {rank}:\n{result['error']}"
+    results = run_two_ranks(_rank_worker, tmp_path)
 
     same = [r["same bucket"] for r in results]
     for rank in range(2):  # both measure 257-512 in lockstep, each at its own BT
