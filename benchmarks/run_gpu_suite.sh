@@ -16,7 +16,7 @@
 # CONVERGENCE_STEPS steps each, at CONVERGENCE_FILTER (default 2**-12), with CONVERGENCE_RESCUE's rescue if set;
 # overlap: the logits rows at 256, 512, 1024 and 2048 rows with and without grad_weight's GEMM on a side stream
 # (Geometry.overlap_weight_grad), with bench --busy-start, interleaved, 7 repeats, at 8192x5376x262144 and
-# 32768x5376x262144, then tests/test_gpu_overlap_weight_grad.py; measured: benchmarks/measured_policy.py's checks,
+# 32768x5376x262144, then tests/test_gpu_overlap_weight_grad.py, benchmarks/chunk_gemm_bound.py and profile_chunks.py; measured: benchmarks/measured_policy.py's checks,
 # the nine shapes and the first calls, with this GPU's rules removed)
 # Expects wheels in .whl/ (ours, built with `python -m build --wheel -o .whl`, plus the peers
 # liger-kernel and cut-cross-entropy, and pydantic's wheels where the machine lacks it: benchmarks/README.md); installs
@@ -124,6 +124,10 @@ while [ $# -gt 0 ]; do
         --methods "${rows[@]}" --out "$out/overlap" 2>&1 | tee "$out/overlap.log" || status=1
       TRITON_INTERPRET=0 python3 -m pytest "$repo/tests/test_gpu_overlap_weight_grad.py" -m gpu -s -q -p no:cacheprovider 2>&1 \
         | tee "$out/gpu_overlap_tests.log" || status=1
+      # the GEMMs alone at the same chunks: serial, overlapped, grad_input split over vocab slices (a lower bound each)
+      python3 -m flce_policy.benchmarks.chunk_gemm_bound 8192x5376x262144 256 512 1024 2048 --busy-start 2>&1 \
+        | tee "$out/chunk_gemm_bound.log" || status=1
+      python3 -m flce_policy.benchmarks.profile_chunks 8192x5376x262144 256 512 2048 2>&1 | tee "$out/profile_chunks.log" || status=1
       shift ;;
     measured)
       # measured on this GPU standing for an unknown one (its rules removed), against its rule: the nine shapes after

@@ -732,3 +732,28 @@ def test_four_gemm_bound_runs_the_gemms_of_a_vocab_tiled_pass():
     logits = x.double() @ w.double().t()
     torch.testing.assert_close(grad_input.double(), logits @ w.double(), rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(grad_weight.double(), logits.t() @ x.double(), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("options", [{}, {"split_k": 2}, {"split_k": 4, "overlap": True}])
+def test_chunk_gemm_bound_runs_a_chunked_pass_under_each_schedule(options):
+    """Chunks of 8 rows (the last 4), the logits L standing in for dL/dlogits: L @ W into grad_input, the sum of
+    the chunks' L_c.T @ x_c into grad_weight, whatever the schedule."""
+    from flce_policy.benchmarks.chunk_gemm_bound import chunk_gemms
+    from flce_policy.benchmarks.methods import Inputs
+
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(20, 8, generator=gen), torch.randn(112, 8, generator=gen)
+    step, grad_input, grad_weight = chunk_gemms(Inputs(x, w, torch.zeros(20, dtype=torch.int64)), 8, **options)
+    step()
+    logits = x.double() @ w.double().t()
+    torch.testing.assert_close(grad_input.double(), logits @ w.double(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(grad_weight.double(), logits.t() @ x.double(), rtol=1e-5, atol=1e-4)
+
+
+def test_chunk_gemm_bound_refuses_a_split_that_does_not_divide_the_vocab():
+    from flce_policy.benchmarks.chunk_gemm_bound import chunk_gemms
+    from flce_policy.benchmarks.methods import Inputs
+
+    x, w = torch.zeros(4, 8), torch.zeros(30, 8)
+    with pytest.raises(ValueError, match="split_k=4 must divide V=30"):
+        chunk_gemms(Inputs(x, w, torch.zeros(4, dtype=torch.int64)), 2, split_k=4)
