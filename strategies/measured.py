@@ -6,7 +6,7 @@ from typing import Any
 
 from flce_policy.plan.device import DeviceInfo
 from flce_policy.plan.geometry import Geometry
-from flce_policy.plan.measuring import FORM_MARGIN, FORM_ORDER, TOLERANCE, BucketPick, bucket_problem
+from flce_policy.plan.measuring import FORM_MARGIN, FORM_ORDER, PICK_TOLERANCE, BucketPick, bucket_problem
 from flce_policy.plan.problem import Problem
 
 from .base import ChunkStrategy, StrategyError, builtin_strategy, checked_geometry
@@ -59,7 +59,7 @@ class Measured(ChunkStrategy):
         slab_forms: list[str] | None = None,
         warmup_calls: int = 1,
         timed_calls: int = 2,
-        tolerance: float = TOLERANCE,
+        tolerance: float = PICK_TOLERANCE,
         form_margin: float | None = FORM_MARGIN,
         cache: bool = True,
         broadcast: bool = True,

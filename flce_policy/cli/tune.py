@@ -157,7 +157,7 @@ def measured_strategy(
     for (tokens, hidden, vocab), measured in sorted(times.items()):
         limit = strategy.limit(bucket_problem(Problem(tokens, hidden, vocab, dtype=dtype)), device)
         forms = measured_forms(limit, device, strategy.planned_rates(device), form_margin=strategy.form_margin)
-        kept = pick({g: t for g, t in measured.items() if g.slab_form in forms} or measured)
+        kept = pick({g: t for g, t in measured.items() if g.slab_form in forms} or measured, strategy.tolerance)
         picks.append(
             {
                 "tokens": tokens,
