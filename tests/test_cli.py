@@ -224,8 +224,8 @@ def test_probe_on_this_machine(capsys):
     assert code == 0
     data = json.loads(out)
     assert {"device", "notes", "policy", "rule", "strategy", "params"} <= set(data)
-    if data["device"]["family"] == "cpu":  # this machine: no GPU, so the packaged default's fallback
-        assert (data["rule"], data["strategy"], data["params"]) == ("default", "heuristic_c", {"c": 1})
+    if data["device"]["family"] == "cpu":  # this machine: no GPU, so the packaged rule for the CPU
+        assert (data["rule"], data["strategy"], data["params"]) == ("devices[0] (match cpu)", "heuristic_c", {"c": 1})
 
 
 def test_probe_without_gpu_readable(capsys, no_gpu):
