@@ -46,7 +46,6 @@ from flce_policy.loss import fused_linear_cross_entropy
 from flce_policy.plan.device import DeviceInfo
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.problem import Problem
-from flce_policy.strategies import Measured
 
 from .methods import Inputs, make_inputs
 from .suite import SHAPE_SETS, expand_shapes, format_shape, parse_shapes
@@ -80,25 +79,14 @@ class _CountedLap:
         return self.lap.seconds()
 
 
-#: ``measured`` for a GPU no rule names, within the packaged derivation: on cards of 80 GB and more the H100's rule
-#: (or the memory rule's slab where larger), else the memory rule (configs/default.yaml's header).
-_LIMIT_80GB = {
-    "strategy": "by_hidden", "max_hidden": 3072,
-    "small": {"strategy": "memory_rule", "floor": "5GiB"}, "large": {"strategy": "memory_rule", "floor": "2GiB"},
-}  # fmt: skip
-_EIGHTY_GB = 80 * 10**9
-
-
 def unknown_gpu_policy(device: DeviceInfo, clock: Any = None) -> FLCEPolicy:
-    """The packaged policy without the rules that name ``device``, ``measured`` within the derived limit as its
-    default: ``device`` stands for a GPU no rule names, measured."""
+    """The packaged policy without the rules that name ``device`` (its ``match: "*"`` rule stays): ``device`` stands
+    for a GPU no rule names, which the packaged policy measures."""
     packaged = FLCEPolicy.packaged()
-    rules = [rule for rule in packaged.rules if not rule.names(device)]
-    limit = _LIMIT_80GB if device.total_memory_bytes >= _EIGHTY_GB else {"strategy": "memory_rule"}
-    default = packaged.default_strategy if device.family == "cpu" and clock is None else Measured(cap=limit)
+    rules = [rule for rule in packaged.rules if not (rule.names(device) and rule.match != "*")]
     return FLCEPolicy(
-        default=default, rules=rules, oom_fallback=packaged.oom_fallback,
-        min_chunk_size=packaged.min_chunk_size, source="packaged, this GPU's rules removed, measured", clock=clock,
+        default=packaged.default_strategy, rules=rules, oom_fallback=packaged.oom_fallback,
+        min_chunk_size=packaged.min_chunk_size, source="packaged, this GPU's rules removed", clock=clock,
     )  # fmt: skip
 
 

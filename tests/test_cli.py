@@ -171,10 +171,18 @@ def test_validate_shows_per_family_where_a_file_departs_from_the_packaged_policy
     assert data["differs_from_packaged"] == [d["device"]["family"] for d in data["decisions"]]
     code, out, _ = run(capsys, "validate", str(path))
     (h100,) = [line for line in out.splitlines() if "│ H100 " in line]
-    assert "heuristic_c c=1" in h100 and "by_hidden" in h100  # the packaged H100 rule, wrapped over lines
+    assert "heuristic_c " in h100 and "by_hidden" in h100  # the packaged H100 rule, wrapped over lines (c=1: default)
     # the note wraps at the console's 160 columns where a long tmp path (pytest-xdist's) pushes it past them
     one_line = " ".join(out.split())
     assert f"note: {path} differs from the packaged policy on 21 of 21 known GPU families: GB300, B300" in one_line
+
+
+def test_the_table_leaves_out_parameters_at_their_defaults(capsys):
+    """The packaged L4 rule, measured within a 128 MiB slab: the cell names the cap, not measured's defaults."""
+    code, out, _ = run(capsys, "explain", "--all-gpus", "--tokens", "8192", "--hidden", "4096", "--vocab", "128256")
+    assert code == 0
+    (l4,) = [line for line in out.splitlines() if "│ L4 " in line]
+    assert "measured cap=" in l4 and "warmup_calls" not in out and "picks" not in out
 
 
 def test_validate_the_packaged_file_is_the_same_everywhere(capsys):
@@ -224,8 +232,8 @@ def test_probe_on_this_machine(capsys):
     assert code == 0
     data = json.loads(out)
     assert {"device", "notes", "policy", "rule", "strategy", "params"} <= set(data)
-    if data["device"]["family"] == "cpu":  # this machine: no GPU, so the packaged default's fallback
-        assert (data["rule"], data["strategy"], data["params"]) == ("default", "heuristic_c", {"c": 1})
+    if data["device"]["family"] == "cpu":  # this machine: no GPU, so the packaged rule for the CPU
+        assert (data["rule"], data["strategy"], data["params"]) == ("devices[0] (match cpu)", "heuristic_c", {"c": 1})
 
 
 def test_probe_without_gpu_readable(capsys, no_gpu):

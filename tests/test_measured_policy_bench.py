@@ -30,14 +30,17 @@ def tiny():
 
 
 def test_unknown_gpu_policy_drops_the_rules_naming_the_device():
-    from flce_policy import DeviceInfo
+    from flce_policy import DeviceInfo, Problem
 
+    gib, mib = 2**30, 2**20
     h100 = DeviceInfo.synthetic("H100")
-    policy = bench.unknown_gpu_policy(h100)
-    rule, strategy = policy.resolve_rule(h100)
-    assert rule == "default" and strategy.measures  # no rule names it: measured within the H100's rule
-    assert strategy.get_params()["cap"]["strategy"] == "by_hidden"
-    assert not bench.unknown_gpu_policy(DeviceInfo.cpu()).resolve_rule(DeviceInfo.cpu())[1].measures
+    rule, strategy = bench.unknown_gpu_policy(h100).resolve_rule(h100)
+    assert "match *" in rule and strategy.measures  # the last rule: unknown cards of 80 GB and more
+    assert strategy.limit(Problem(65536, 5376, 262144), h100).slab_bytes == 2 * gib  # the H100's rule, large head
+    cpu = DeviceInfo.cpu()
+    rule, strategy = bench.unknown_gpu_policy(cpu).resolve_rule(cpu)
+    assert rule == "default" and strategy.measures  # the CPU's own rule removed: measured
+    assert strategy.limit(Problem(65536, 5376, 262144), cpu).slab_bytes == 128 * mib  # the memory rule's floor
 
 
 def test_compare_shape_measures_then_times_both():

@@ -395,7 +395,8 @@ def test_gpu_run_glue_with_a_stubbed_suite(tmp_path, capsys, monkeypatch):
     assert code == 0, err
     assert len(FLCEPolicy.from_yaml(out).rules) == 1
     warning = next(line for line in err.splitlines() if line.startswith("WARNING"))
-    assert "moves 20 other known GPU families from their packaged rules to the default HeuristicC(c=1)" in warning
+    assert "moves 20 other known GPU families from their packaged rules to the default Measured(" in warning
+    assert "cap={'strategy': 'memory_rule', " in warning  # the default measures within the memory rule
     assert "H100" in warning and "B200" in warning and "A100" in warning
 
 

@@ -16,6 +16,7 @@ to ``flce_policy.cli.tune`` (see ``flce-policy tune --help``).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 from collections.abc import Sequence
@@ -538,9 +539,20 @@ def _print_table(
 
 
 def _row_strategy(row: dict[str, Any]) -> str:
-    text = f"{row['strategy']} {_params_text(row.get('params', {}))}".strip()
+    text = f"{row['strategy']} {_params_text(_given_params(row))}".strip()
     filtered = _filter_text(row)
     return f"{text}, {filtered}" if filtered else text
+
+
+def _given_params(row: dict[str, Any]) -> dict[str, Any]:
+    """A decision row's parameters less a built-in's left at their defaults, as scikit-learn prints an estimator
+    (measured's dozen would fill the cell); --json and the one-device explain keep them all."""
+    params = row.get("params", {})
+    cls = BUILTIN_STRATEGIES.get(row["strategy"])
+    if cls is None:
+        return params
+    defaults = {p.name: p.default for p in inspect.signature(cls.__init__).parameters.values()}
+    return {k: v for k, v in params.items() if defaults.get(k, inspect.Parameter.empty) != v}
 
 
 def _filter_text(row: dict[str, Any]) -> str:
