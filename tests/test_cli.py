@@ -185,6 +185,18 @@ def test_the_table_leaves_out_parameters_at_their_defaults(capsys):
     assert "measured cap=" in l4 and "warmup_calls" not in out and "picks" not in out
 
 
+def test_the_table_names_a_nested_strategy_and_json_keeps_its_parameters(capsys):
+    """A rule's nested strategy (measured's cap, by_hidden's small and large) by its name: its mapping would wrap
+    the cell over lines; --json keeps every parameter."""
+    code, out, _ = run(capsys, "explain", "--model", "gemma-4-31b", "--tokens", "8192")
+    assert code == 0 and "{'strategy'" not in out
+    (b200,) = [line for line in out.splitlines() if "│ B200 " in line]
+    assert "measured cap=by_hidden " in b200
+    code, out, _ = run(capsys, "explain", "--model", "gemma-4-31b", "--tokens", "8192", "--json")
+    (b200,) = [d for d in json.loads(out)["decisions"] if d["device"]["family"] == "B200"]
+    assert b200["params"]["cap"]["large"] == {"strategy": "slab_budget", "max_slab": "2GiB"}
+
+
 def test_validate_the_packaged_file_is_the_same_everywhere(capsys):
     code, out, _ = run(capsys, "validate", packaged_yaml(), "--json")
     assert json.loads(out)["differs_from_packaged"] == []

@@ -539,20 +539,27 @@ def _print_table(
 
 
 def _row_strategy(row: dict[str, Any]) -> str:
-    text = f"{row['strategy']} {_params_text(_given_params(row))}".strip()
+    text = f"{row['strategy']} {_params_text(_given_params(row['strategy'], row.get('params', {})))}".strip()
     filtered = _filter_text(row)
     return f"{text}, {filtered}" if filtered else text
 
 
-def _given_params(row: dict[str, Any]) -> dict[str, Any]:
-    """A decision row's parameters less a built-in's left at their defaults, as scikit-learn prints an estimator
+def _given_params(name: str, params: dict[str, Any]) -> dict[str, Any]:
+    """A strategy's parameters less a built-in's left at their defaults, as scikit-learn prints an estimator
     (measured's dozen would fill the cell); --json and the one-device explain keep them all."""
-    params = row.get("params", {})
-    cls = BUILTIN_STRATEGIES.get(row["strategy"])
+    cls = BUILTIN_STRATEGIES.get(name)
     if cls is None:
         return params
     defaults = {p.name: p.default for p in inspect.signature(cls.__init__).parameters.values()}
     return {k: v for k, v in params.items() if defaults.get(k, inspect.Parameter.empty) != v}
+
+
+def _nested_text(value: Any) -> str:
+    """A parameter's value in a table cell: a nested strategy by its name (its parameters would fill the cell; the
+    rule column names the YAML entry that holds them, --json prints them)."""
+    if isinstance(value, dict) and isinstance(value.get("strategy"), str):
+        return value["strategy"]
+    return str(value)
 
 
 def _filter_text(row: dict[str, Any]) -> str:
@@ -585,7 +592,7 @@ def _strategy_text(strategy: Any) -> str:
 
 
 def _params_text(params: dict[str, Any]) -> str:
-    return " ".join(f"{k}={v}" for k, v in params.items())
+    return " ".join(f"{k}={_nested_text(v)}" for k, v in params.items())
 
 
 def _print_json(data: Any) -> None:
