@@ -113,8 +113,8 @@ def small_rows():
 def test_tune_writes_what_measured_would_pick(tmp_path, capsys, monkeypatch):
     """--strategy measured: a measured rule whose pick at the shape is the core's (the smallest slab within 1% of
     the fastest over the forms measured would measure, here the scaled-exp slab 3% faster: 4096 rows, as 2048 rows
-    take 105.2 ms against 4096 rows' 103.3, 1.8% more; the warp-specialised form, which tune times, is not among them: measured runs it up
-    to H=3072 on the H200), its limit the largest slab that fit (4096 rows, 2 GiB)."""
+    take 105.2 ms against 4096 rows' 103.3, 1.8% more; the warp-specialised form, which tune times, is not among
+    them: measured runs it up to H=3072 on the H200), its limit the largest slab that fit (4096 rows, 2 GiB)."""
     from flce_policy.benchmarks import suite
     from flce_policy.engine import probe
 

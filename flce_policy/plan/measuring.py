@@ -11,8 +11,8 @@ and ``flce-policy tune`` (timed by the benchmark), so that ``tune`` writes what 
   included: BT itself when one chunk fits), times the slab forms the GPU runs for them, less those the cost model
   predicts more than ``form_margin`` slower than the fastest (:func:`measured_forms`: each form's first call
   compiles its kernels, seconds on a fresh cache);
-- :func:`pick`: of the times measured, the fastest within a tolerance (:data:`PICK_TOLERANCE`) of the best, preferring the smaller
-  slab (memory a slab does not take is memory the rest of the step keeps);
+- :func:`pick`: of the times measured, the fastest within a tolerance (:data:`PICK_TOLERANCE`) of the best,
+  preferring the smaller slab (memory a slab does not take is memory the rest of the step keeps);
 - :class:`Search`: the order one problem's candidates are timed in. Each form from its most rows down, each
   candidate ``warmup_calls`` untimed calls (Triton's compile, the allocator growing) and then ``timed_calls``
   timed ones, its time the least of them. A form stops going down at the first candidate more than
