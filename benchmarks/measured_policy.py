@@ -62,6 +62,7 @@ class CountingClock:
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.ran: list[Geometry] = []
+        self.laps: list[tuple[Geometry, Any]] = []  # each measuring call's geometry and lap, warm-up calls included
 
     def start(self, device: Any) -> Any:
         return _CountedLap(self, self.inner.start(device))
@@ -73,6 +74,7 @@ class _CountedLap:
 
     def stop(self, geometry: Geometry) -> None:
         self.clock.ran.append(geometry)
+        self.clock.laps.append((geometry, self.lap))
         self.lap.stop(geometry)
 
     def seconds(self) -> float:
@@ -155,6 +157,8 @@ def compare_shape(inputs: Inputs, calls: int, max_measuring_calls: int = 200) ->
                 return
 
     measuring_peak = _peak_bytes(inputs, measure)
+    # the search's calls in the order they ran (the first of each candidate untimed by the search): what it saw
+    search_ms = [[g.chunk_size, g.slab_form, round(lap.seconds() * 1e3, 4)] for g, lap in clock.laps]
     pick, source = measured.measured_pick(problem, info) or (None, "none")
     forms = sorted({g.slab_form for g in clock.ran}) or [limit.slab_form]
     limit_peaks = {
@@ -175,6 +179,7 @@ def compare_shape(inputs: Inputs, calls: int, max_measuring_calls: int = 200) ->
         "shape": format_shape(inputs.shape),
         "limit": limit.describe(),
         "measuring_calls": len(clock.ran),
+        "search_ms": search_ms,
         "pick": None if pick is None else pick.describe(),
         "pick_source": source,
         "measured_ms": round(after, 4),
@@ -297,6 +302,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _first_calls_checks(args: argparse.Namespace, scratch: str, first_shape: Any) -> dict[str, Any]:
     """Checks 2 and 3, each side in a fresh process with fresh Triton and pick caches (the second: the first's)."""
+    if args.inputs != "random":
+        # built here, before either side: a side that built them would train the model on this package's kernels,
+        # its first calls then starting on kernels compiled in its cache
+        _inputs(args.inputs, first_shape, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     common = ["--phase", "first-calls", "--first-calls", str(args.first_calls), "--inputs", args.inputs]
     if first_shape is not None:
         common += ["--first-shape", format_shape(first_shape)]

@@ -46,6 +46,8 @@ def test_unknown_gpu_policy_drops_the_rules_naming_the_device():
 def test_compare_shape_measures_then_times_both():
     row = bench.compare_shape(tiny(), calls=2)
     assert row["measuring_calls"] == 3  # one candidate under the CPU's limit: 1 untimed and 2 timed calls
+    assert [entry[:2] for entry in row["search_ms"]] == [[256, "logits"]] * 3  # each call the search ran, in order
+    assert all(entry[2] > 0 for entry in row["search_ms"])
     assert row["pick_source"] == "measured" and row["pick"].startswith("1 chunks of 256 rows")
     assert row["peak_within_limit"] and row["largest_slab_bytes"] <= row["limit_slab_bytes"]
     assert row["ratio"] > 0
