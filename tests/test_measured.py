@@ -36,6 +36,9 @@ BT, H, V = 64, 16, 96
 ROWS = [8, 16, 32, 64]
 #: the fake clock's seconds per rows: 32 rows within 1% of 64's, 16 rows much slower (the search stops there)
 TIMES = {64: 1.0, 32: 1.005, 16: 1.5, 8: 2.0}
+#: the calls a search at TIMES runs: 64, 32 and 16 rows (one untimed and two timed calls each), then the rematch of
+#: the pick (32) and the fastest (64), two timed calls each in turn
+SEARCH_ROWS = [64, 64, 64, 32, 32, 32, 16, 16, 16, 64, 32, 64, 32]
 
 
 class FakeClock:
@@ -153,8 +156,30 @@ def test_search_goes_down_each_form_until_one_is_slower():
         (16, False),
         (16, True),
         (16, True),
-    ]  # 16 rows is 1.5x: 8 rows is never run
+    ] + [(64, True), (32, True), (64, True), (32, True)]  # 16 rows is 1.5x: 8 rows is never run; then the rematch
     assert search.pick().chunk_size == 32
+
+
+def test_the_rematch_keeps_the_fastest_where_the_pick_falls_behind_it():
+    """32 rows timed within 1% of 64 one after the other, 5% slower when the two take turns: 64 is kept; a pick that
+    is the fastest needs no rematch."""
+    problem = Problem(tokens=BT, hidden=H, vocab=V)
+    geometries = [Geometry.for_problem(problem, r) for r in (64, 32, 16, 8)]
+    search = Search(geometries, warmup_calls=0, timed_calls=2)
+    rematch = {64: 1.0, 32: 1.05}
+    rows = []
+    while (step := search.next()) is not None:
+        geometry, timed = step
+        rows.append(geometry.chunk_size)
+        rematching = len(rows) > 6  # 64, 32, 16 timed twice each, then the rematch
+        search.record(geometry, (rematch if rematching else TIMES)[geometry.chunk_size])
+    assert rows == [64, 64, 32, 32, 16, 16, 64, 32, 64, 32]
+    assert search.pick().chunk_size == 64
+    fastest = Search(geometries, warmup_calls=0, timed_calls=1)
+    seconds = {64: 1.0, 32: 1.2, 16: 1.5, 8: 2.0}
+    while (step := fastest.next()) is not None:
+        fastest.record(step[0], seconds[step[0].chunk_size])
+    assert fastest.pick().chunk_size == 64 and fastest.next() is None
 
 
 # --- the strategy ------------------------------------------------------------------------------------------
@@ -187,11 +212,11 @@ def test_every_call_equals_a_plain_call_at_its_geometry_and_the_pick_is_kept(ran
     clock = FakeClock()
     policy = FLCEPolicy(default=measured(), min_chunk_size=1, clock=clock)
     rows = []
-    for step in range(12):
+    for step in range(len(SEARCH_ROWS) + 3):
         rows.append(check_equal_to_plain(*inputs(step), policy, ran).chunk_size)
         del ran[:]
-    assert rows == [64, 64, 64, 32, 32, 32, 16, 16, 16, 32, 32, 32]
-    assert [g.chunk_size for g in clock.ran] == [64, 64, 64, 32, 32, 32, 16, 16, 16]  # nothing timed after the pick
+    assert rows == [*SEARCH_ROWS, 32, 32, 32]
+    assert [g.chunk_size for g in clock.ran] == SEARCH_ROWS  # nothing timed after the pick
     assert policy.measured_pick(Problem(tokens=BT, hidden=H, vocab=V, dtype="float32"), _cpu())[0].chunk_size == 32
 
 
@@ -208,8 +233,8 @@ def run_calls(policy, count, seed=0, dtype=torch.float32):
 
 def test_a_second_run_starts_from_the_cached_pick(cache_folder):
     first = FakeClock()
-    run_calls(FLCEPolicy(default=measured(), min_chunk_size=1, clock=first), 10)
-    assert len(first.ran) == 9
+    run_calls(FLCEPolicy(default=measured(), min_chunk_size=1, clock=first), len(SEARCH_ROWS) + 1)
+    assert len(first.ran) == len(SEARCH_ROWS)
     files = list(cache_folder.glob("*.json"))
     assert len(files) == 1
     stored = json.loads(files[0].read_text())
@@ -247,7 +272,7 @@ def test_the_cache_key_holds_the_gpu_the_versions_the_problem_the_kind_and_the_s
 
 @pytest.mark.parametrize("damage", ["garbage", "foreign", "bad_rows"])
 def test_a_corrupt_or_foreign_cache_file_is_ignored_with_one_warning(cache_folder, damage):
-    run_calls(FLCEPolicy(default=measured(), min_chunk_size=1, clock=FakeClock()), 10)
+    run_calls(FLCEPolicy(default=measured(), min_chunk_size=1, clock=FakeClock()), len(SEARCH_ROWS) + 1)
     (path,) = cache_folder.glob("*.json")
     data = json.loads(path.read_text())
     if damage == "garbage":
@@ -262,11 +287,11 @@ def test_a_corrupt_or_foreign_cache_file_is_ignored_with_one_warning(cache_folde
     clock = FakeClock()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        run_calls(FLCEPolicy(default=measured(), min_chunk_size=1, clock=clock), 10)
+        run_calls(FLCEPolicy(default=measured(), min_chunk_size=1, clock=clock), len(SEARCH_ROWS) + 1)
         run_calls(FLCEPolicy(default=measured(), min_chunk_size=1, clock=FakeClock()), 1)
     ours = [w for w in caught if issubclass(w.category, pick_cache.PickCacheWarning)]
     assert len(ours) == 1, [str(w.message) for w in ours]
-    assert len(clock.ran) == 9  # measured again, never trusted
+    assert len(clock.ran) == len(SEARCH_ROWS)  # measured again, never trusted
     assert json.loads(path.read_text())["chunk_size"] == 32  # and rewritten
 
 
@@ -289,12 +314,14 @@ def test_the_forms_are_measured_and_a_rule_pins_one(ran):
     scaled-exp rows slab 5% faster here, so kept."""
     clock = FakeClock(lambda g: TIMES[g.chunk_size] * (0.95 if g.slab_form == "scaled_exp_rows" else 1.0))
     policy = FLCEPolicy(default=measured(slab_forms=["logits", "scaled_exp_rows"]), min_chunk_size=1, clock=clock)
-    run_calls(policy, 20, dtype=torch.bfloat16)
-    assert [(g.chunk_size, g.slab_form[0]) for g in clock.ran[::3]] == [(64, "s"), (32, "s"), (16, "s")] + [
+    run_calls(policy, 24, dtype=torch.bfloat16)
+    assert [(g.chunk_size, g.slab_form[0]) for g in clock.ran[:18:3]] == [(64, "s"), (32, "s"), (16, "s")] + [
         (64, "l"),
         (32, "l"),
         (16, "l"),
     ]
+    # the pick (32 rows, scaled-exp) against the fastest (64 rows, scaled-exp), in turn
+    assert [(g.chunk_size, g.slab_form[0]) for g in clock.ran[18:]] == [(64, "s"), (32, "s")] * 2
     assert (ran[-1].chunk_size, ran[-1].slab_form) == (32, "scaled_exp_rows")
     pinned = FLCEPolicy(default=measured(), min_chunk_size=1, clock=FakeClock(), slab_form="scaled_exp_rows")
     run_calls(pinned, 10, dtype=torch.bfloat16)
@@ -320,7 +347,7 @@ def _rank_worker(rank: int, port: int, out_dir: str, cache: str) -> None:
         clock = FakeClock(lambda g: times[g.chunk_size])
         policy = FLCEPolicy(default=measured(), min_chunk_size=1, clock=clock)
         with recorded_geometries() as seen:
-            for step in range(12):
+            for step in range(len(SEARCH_ROWS) + 3):
                 loss_and_grads(*inputs(step), policy)
         return {"rows": [g.chunk_size for g in seen], "timed": len(clock.ran)}
 
@@ -329,9 +356,9 @@ def _rank_worker(rank: int, port: int, out_dir: str, cache: str) -> None:
 
 def test_rank_0_measures_and_every_rank_runs_its_choices(tmp_path):
     results = run_two_ranks(_rank_worker, tmp_path, str(tmp_path / "picks"))
-    expected = [64, 64, 64, 32, 32, 32, 16, 16, 16, 32, 32, 32]
+    expected = [*SEARCH_ROWS, 32, 32, 32]
     assert results[0]["rows"] == results[1]["rows"] == expected
-    assert results[0]["timed"] == 9 and results[1]["timed"] == 0  # rank 1 follows, timing nothing
+    assert results[0]["timed"] == len(SEARCH_ROWS) and results[1]["timed"] == 0  # rank 1 follows, timing nothing
 
 
 # --- explain and the cache command --------------------------------------------------------------------------

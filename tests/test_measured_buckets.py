@@ -34,8 +34,9 @@ H, V = 16, 96
 ROWS = [64, 128, 256]
 PER_ROW = {256: 1.0, 128: 1.005, 64: 1.5}
 PICKED = 128  # the fake clock's pick: every BT here is above it
-#: rows each call runs while a bucket is measured, in the search's order: 256, 128, 64, each 1 untimed + 2 timed
-SEARCH = [256] * 3 + [128] * 3 + [64] * 3
+#: rows each call runs while a bucket is measured, in the search's order: 256, 128, 64, each 1 untimed + 2 timed,
+#: then the rematch of the pick (128) and the fastest (256), two timed calls each in turn
+SEARCH = [256] * 3 + [128] * 3 + [64] * 3 + [256, 128] * 2
 LOW, HIGH = (129, 256), (257, 320)  # BT of the buckets 1-256 and 257-512
 
 
@@ -60,7 +61,7 @@ def tokens_in(low: int, high: int, count: int, seed: int) -> list[int]:
 
 
 def test_a_bucket_is_measured_once_over_calls_of_any_bt_in_it(ran, cache_folder):  # noqa: F811
-    """20 calls of BT 129..256: one search (9 measuring calls), each call equal to a plain call at the geometry it
+    """20 calls of BT 129..256: one search (13 measuring calls), each call equal to a plain call at the geometry it
     ran; then the pick at every BT, min(128, BT) rows; one cache file."""
     clock = per_row_clock()
     policy = FLCEPolicy(default=measured(), min_chunk_size=1, clock=clock)
@@ -70,7 +71,7 @@ def test_a_bucket_is_measured_once_over_calls_of_any_bt_in_it(ran, cache_folder)
         rows.append(check_equal_to_plain(*inputs(tokens, step), policy, ran).chunk_size)
         del ran[:]
     assert len(clock.ran) == len(SEARCH)
-    assert rows == [min(r, t) for r, t in zip(SEARCH + [PICKED] * 11, bts, strict=True)]
+    assert rows == [min(r, t) for r, t in zip(SEARCH + [PICKED] * (20 - len(SEARCH)), bts, strict=True)]
     assert len(list(cache_folder.glob("*.json"))) == 1
 
 
@@ -82,8 +83,8 @@ def run_calls(policy, bts, seed=0):
 def test_a_new_bucket_measures_again_and_a_second_policy_reuses_both(ran, cache_folder):  # noqa: F811
     clock = per_row_clock()
     policy = FLCEPolicy(default=measured(), min_chunk_size=1, clock=clock)
-    run_calls(policy, tokens_in(*LOW, 10, seed=2))
-    run_calls(policy, tokens_in(*HIGH, 10, seed=3))
+    run_calls(policy, tokens_in(*LOW, len(SEARCH) + 1, seed=2))
+    run_calls(policy, tokens_in(*HIGH, len(SEARCH) + 1, seed=3))
     assert len(clock.ran) == 2 * len(SEARCH)
     assert {g.problem.tokens > 256 for g in clock.ran[len(SEARCH) :]} == {True}  # the second search: BT 257-512
     assert len(list(cache_folder.glob("*.json"))) == 2
@@ -118,10 +119,10 @@ WORLD_TIMEOUT_S = 300
 #: Per rank, the BT of each call: the same bucket (1-256) at other BT; and other buckets, rank 1 in 257-512 while
 #: rank 0 measures 1-256, then the other way round, then rank 1 back in 257-512 once rank 0 has its pick.
 CASES = {
-    "same bucket": (tokens_in(*LOW, 12, seed=4), tokens_in(*LOW, 12, seed=5)),
+    "same bucket": (tokens_in(*LOW, 16, seed=4), tokens_in(*LOW, 16, seed=5)),
     "other buckets": (
-        tokens_in(*LOW, 10, seed=6) + tokens_in(*HIGH, 14, seed=7),
-        tokens_in(*HIGH, 10, seed=8) + tokens_in(*LOW, 10, seed=9) + tokens_in(*HIGH, 4, seed=10),
+        tokens_in(*LOW, 14, seed=6) + tokens_in(*HIGH, 18, seed=7),
+        tokens_in(*HIGH, 14, seed=8) + tokens_in(*LOW, 14, seed=9) + tokens_in(*HIGH, 4, seed=10),
     ),
 }
 
@@ -169,8 +170,8 @@ def test_ranks_with_other_bt_and_other_buckets_agree_without_a_hang(tmp_path):
     other = [r["other buckets"] for r in results]
     bts0, bts1 = CASES["other buckets"]
     assert other[0]["timed"] == 2 * len(SEARCH) and other[1]["timed"] == 0
-    assert other[0]["rows"][:10] == [min(r, t) for r, t in zip(SEARCH + [PICKED], bts0[:10], strict=True)]
-    assert other[1]["rows"][:10] == bts1[:10]  # 257-512 has no pick yet: its limit, one chunk
-    assert other[1]["rows"][10:20] == [PICKED] * 10  # 1-256: rank 0's pick
+    assert other[0]["rows"][:14] == [min(r, t) for r, t in zip(SEARCH + [PICKED], bts0[:14], strict=True)]
+    assert other[1]["rows"][:14] == bts1[:14]  # 257-512 has no pick yet: its limit, one chunk
+    assert other[1]["rows"][14:28] == [PICKED] * 14  # 1-256: rank 0's pick
     assert other[1]["rows"][-1] == PICKED  # 257-512, once rank 0 has measured it
     assert other[0]["picks"] == other[1]["picks"] == {"256": PICKED, "512": PICKED}
