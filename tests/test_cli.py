@@ -191,7 +191,9 @@ def test_the_table_names_a_nested_strategy_and_json_keeps_its_parameters(capsys)
     code, out, _ = run(capsys, "explain", "--model", "gemma-4-31b", "--tokens", "8192")
     assert code == 0 and "{'strategy'" not in out
     (b200,) = [line for line in out.splitlines() if "│ B200 " in line]
-    assert "measured cap=by_hidden " in b200
+    assert "measured cap=by_hidden " in b200 and "logits: the limit's, until" in b200
+    (h100,) = [line for line in out.splitlines() if "│ H100 " in line]
+    assert "scaled_exp_rows: fastest" in h100  # a rule that does not measure: the engine's form choice
     code, out, _ = run(capsys, "explain", "--model", "gemma-4-31b", "--tokens", "8192", "--json")
     (b200,) = [d for d in json.loads(out)["decisions"] if d["device"]["family"] == "B200"]
     assert b200["params"]["cap"]["large"] == {"strategy": "slab_budget", "max_slab": "2GiB"}
