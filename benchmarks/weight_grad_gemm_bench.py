@@ -24,6 +24,7 @@ import torch
 from flce_policy.kernels.gemm import accumulate_mm
 from flce_policy.kernels.weight_grad_gemm import WeightGradLaunch, weight_grad_gemm
 
+from .measure import time_call
 from .suite import parse_shapes
 
 #: the launches timed: (block_v, block_h, block_r, warps, stages)
@@ -82,17 +83,12 @@ def run(hidden: int, vocab: int, rows: int, rounds: int, device: torch.device) -
 
 
 def _milliseconds(action: Callable[[], None], device: torch.device) -> float:
-    """One call's time: CUDA events on a GPU, the host's clock on the CPU (the interpreter's smoke test)."""
-    if device.type != "cuda":
-        begin_s = time.perf_counter()
-        action()
-        return (time.perf_counter() - begin_s) * 1e3
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
+    """One call's time: :func:`.measure.time_call` on a GPU, the host's clock on the CPU (the interpreter's test)."""
+    if device.type == "cuda":
+        return time_call(action)
+    begin_s = time.perf_counter()
     action()
-    end.record()
-    end.synchronize()
-    return begin.elapsed_time(end)
+    return (time.perf_counter() - begin_s) * 1e3
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -577,9 +577,10 @@ def _pick_cells(row: dict[str, Any]) -> list[str]:
     if "at_call_time" in row:
         return ["at call time", "", "from free memory", "at call time"]
     # the price list stays in `explain` on one device and in --json; the table says the form and the reason
-    form = f"{row['slab_form']}: {row['slab_form_reason'].split(' (')[0]}"
     if "measured" in row and row["measured"] is None:  # no pick known yet: the limit's geometry stands in for it
         form = f"{row['slab_form']}: the limit's, until the first calls measure"
+    else:
+        form = f"{row['slab_form']}: {row['slab_form_reason'].split(' (')[0]}"
     return [str(row["chunk_size"]), str(row["num_chunks"]), row["slab"], form]
 
 

@@ -241,8 +241,9 @@ class Search:
         """A call of ``geometry`` completed: untimed (``seconds`` None) or in ``seconds``."""
         if geometry in self.dropped or geometry not in self.geometries:
             return
-        if self._rematch and seconds is not None:
-            self._rematch[geometry].append(seconds)
+        if self._rematch:  # only the rematch's timed calls count now
+            if seconds is not None and geometry in self._rematch:
+                self._rematch[geometry].append(seconds)
             return
         if seconds is None:
             self._warm[geometry] = self._warm.get(geometry, 0) + 1
