@@ -22,7 +22,6 @@ else:
         scaled_exp,
         target_grad,
         weight_grad_filter,
-        weight_grad_gemm,
     )
     from .interpreter import KERNELS_INTERPRETED, interpreter_requested
 
