@@ -31,9 +31,10 @@ class Measured(ChunkStrategy):
     call's time counts scaled to the top's BT, so calls of any BT in the bucket measure it. The candidates
     (:func:`flce_policy.plan.measuring.candidates`): ``rows`` (default: powers of two from 256 up to the limit's
     rows) times ``slab_forms`` (default: the forms the GPU runs that the cost model predicts within
-    ``form_margin``, default 10%, of the fastest, None: all; a rule's ``slab_form`` pins one). Each candidate runs
+    ``form_margin``, default 3%, of the fastest, None: all; a rule's ``slab_form`` pins one). Each candidate runs
     ``warmup_calls`` untimed calls, then ``timed_calls`` calls timed with CUDA events; the fastest within
-    ``tolerance`` of the best, preferring the smaller slab, is kept (:class:`flce_policy.plan.measuring.Search`).
+    ``tolerance`` of the best, preferring the smaller slab, is kept unless its rival beats it by more than
+    ``tolerance`` when the two run in turn (:class:`flce_policy.plan.measuring.Search`).
 
     An :class:`~flce_policy.engine.policy.FLCEPolicy` does the measuring (it holds the state, per bucket and per
     kind of call); ``cache`` keeps each pick on disk for the next run (``$FLCE_POLICY_CACHE``, else the user's
@@ -104,7 +105,7 @@ class Measured(ChunkStrategy):
         margin = self.form_margin
         if margin is not None and (isinstance(margin, bool) or not isinstance(margin, (int, float)) or margin < 0):
             raise StrategyError(
-                f"measured: form_margin must be a number >= 0 (0.1: forms predicted within 10% of the fastest) or "
+                f"measured: form_margin must be a number >= 0 (0.03: forms predicted within 3% of the fastest) or "
                 f"null (every form), got {margin!r}",
                 param="form_margin",
             )

@@ -35,8 +35,8 @@ ROWS = [64, 128, 256]
 PER_ROW = {256: 1.0, 128: 1.005, 64: 1.5}
 PICKED = 128  # the fake clock's pick: every BT here is above it
 #: rows each call runs while a bucket is measured, in the search's order: 256, 128, 64, each 1 untimed + 2 timed,
-#: then the rematch of the pick (128) and the fastest (256), two timed calls each in turn
-SEARCH = [256] * 3 + [128] * 3 + [64] * 3 + [256, 128] * 2
+#: then the rematch of the pick (128) and its rival (256), four timed calls each in turn
+SEARCH = [256] * 3 + [128] * 3 + [64] * 3 + [256, 128] * 4
 LOW, HIGH = (129, 256), (257, 320)  # BT of the buckets 1-256 and 257-512
 
 
@@ -118,11 +118,12 @@ def test_picks_apply_to_their_bucket_and_one_chunk_stays_one_chunk():
 WORLD_TIMEOUT_S = 300
 #: Per rank, the BT of each call: the same bucket (1-256) at other BT; and other buckets, rank 1 in 257-512 while
 #: rank 0 measures 1-256, then the other way round, then rank 1 back in 257-512 once rank 0 has its pick.
+_ONE = len(SEARCH) + 1  # a bucket's search and one call at its pick
 CASES = {
-    "same bucket": (tokens_in(*LOW, 16, seed=4), tokens_in(*LOW, 16, seed=5)),
+    "same bucket": (tokens_in(*LOW, _ONE + 2, seed=4), tokens_in(*LOW, _ONE + 2, seed=5)),
     "other buckets": (
-        tokens_in(*LOW, 14, seed=6) + tokens_in(*HIGH, 18, seed=7),
-        tokens_in(*HIGH, 14, seed=8) + tokens_in(*LOW, 14, seed=9) + tokens_in(*HIGH, 4, seed=10),
+        tokens_in(*LOW, _ONE, seed=6) + tokens_in(*HIGH, _ONE + 4, seed=7),
+        tokens_in(*HIGH, _ONE, seed=8) + tokens_in(*LOW, _ONE, seed=9) + tokens_in(*HIGH, 4, seed=10),
     ),
 }
 
@@ -170,8 +171,8 @@ def test_ranks_with_other_bt_and_other_buckets_agree_without_a_hang(tmp_path):
     other = [r["other buckets"] for r in results]
     bts0, bts1 = CASES["other buckets"]
     assert other[0]["timed"] == 2 * len(SEARCH) and other[1]["timed"] == 0
-    assert other[0]["rows"][:14] == [min(r, t) for r, t in zip(SEARCH + [PICKED], bts0[:14], strict=True)]
-    assert other[1]["rows"][:14] == bts1[:14]  # 257-512 has no pick yet: its limit, one chunk
-    assert other[1]["rows"][14:28] == [PICKED] * 14  # 1-256: rank 0's pick
+    assert other[0]["rows"][:_ONE] == [min(r, t) for r, t in zip(SEARCH + [PICKED], bts0[:_ONE], strict=True)]
+    assert other[1]["rows"][:_ONE] == bts1[:_ONE]  # 257-512 has no pick yet: its limit, one chunk
+    assert other[1]["rows"][_ONE : 2 * _ONE] == [PICKED] * _ONE  # 1-256: rank 0's pick
     assert other[1]["rows"][-1] == PICKED  # 257-512, once rank 0 has measured it
     assert other[0]["picks"] == other[1]["picks"] == {"256": PICKED, "512": PICKED}
