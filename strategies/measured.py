@@ -33,8 +33,8 @@ class Measured(ChunkStrategy):
     rows) times ``slab_forms`` (default: the forms the GPU runs that the cost model predicts within
     ``form_margin``, default 3%, of the fastest, None: all; a rule's ``slab_form`` pins one). Each candidate runs
     ``warmup_calls`` untimed calls, then ``timed_calls`` calls timed with CUDA events; the fastest within
-    ``tolerance`` of the best, preferring the smaller slab, is kept unless its rival beats it by more than
-    ``tolerance`` when the two run in turn (:class:`flce_policy.plan.measuring.Search`).
+    ``tolerance`` of the best, preferring the smaller slab, is kept unless its rival (the limit in the form predicted
+    fastest) beats it by more than ``tolerance`` when the two run in turn (:class:`flce_policy.plan.measuring.Search`).
 
     An :class:`~flce_policy.engine.policy.FLCEPolicy` does the measuring (it holds the state, per bucket and per
     kind of call); ``cache`` keeps each pick on disk for the next run (``$FLCE_POLICY_CACHE``, else the user's

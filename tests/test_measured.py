@@ -152,11 +152,16 @@ def test_search_goes_down_each_form_until_one_is_slower():
         geometry, timed = step
         order.append((geometry.chunk_size, timed))
         search.record(geometry, TIMES[geometry.chunk_size] if timed else None)
-    assert order == [(64, False), (64, True), (64, True), (32, False), (32, True), (32, True)] + [
-        (16, False),
-        (16, True),
-        (16, True),
-    ] + [(64, True), (32, True)] * 4  # 16 rows is 1.5x: 8 rows is never run; then the rematch
+    assert (
+        order
+        == [(64, False), (64, True), (64, True), (32, False), (32, True), (32, True)]
+        + [
+            (16, False),
+            (16, True),
+            (16, True),
+        ]
+        + [(64, True), (32, True)] * 4
+    )  # 16 rows is 1.5x: 8 rows is never run; then the rematch
     assert search.pick().chunk_size == 32
 
 
@@ -191,6 +196,30 @@ def test_the_rematch_can_overturn_a_pick_that_was_the_fastest():
     rows = _searched(search, lambda r, rematching: (rematch if rematching else blocks)[r])
     assert rows == [64, 64, 32, 32, 16, 16] + [64, 32] * 4
     assert search.pick().chunk_size == 64
+
+
+def test_the_rematch_pits_a_pick_against_the_incumbent_not_the_runner_up():
+    """Two forms: the logits slab at 64 rows timed fastest one after the other (one lucky call), the row-scaled slab
+    at 64 rows is what the cost model would run unmeasured (the incumbent). The rematch is the pick against the
+    incumbent, not against the runner-up (logits at 32 rows), and the incumbent wins it, as on the H100 where the
+    logits slab's 4096 rows timed fastest and then ran 4.4% behind the row-scaled slab's."""
+    problem = Problem(tokens=BT, hidden=H, vocab=V, dtype="bfloat16")
+    geometries = [
+        Geometry.for_problem(problem, r, slab_form=f) for f in ("scaled_exp_rows", "logits") for r in (64, 32, 16)
+    ]
+    blocks = {("scaled_exp_rows", 64): 1.04, ("scaled_exp_rows", 32): 1.06, ("logits", 64): 1.0, ("logits", 32): 1.02}
+    rematch = {("scaled_exp_rows", 64): 1.0, ("logits", 64): 1.044, ("logits", 32): 1.06}
+    for incumbent, kept in (("scaled_exp_rows", ("scaled_exp_rows", 64)), (None, ("logits", 64))):
+        search = Search(geometries, warmup_calls=0, timed_calls=1, incumbent_form=incumbent)
+        ran = []
+        while (step := search.next()) is not None:
+            geometry, _ = step
+            key = (geometry.slab_form, geometry.chunk_size)
+            ran.append(key)
+            search.record(geometry, (rematch if search._rematch is not None else blocks).get(key, 1.5))
+        rival = ("scaled_exp_rows", 64) if incumbent else ("logits", 32)  # without one: the fastest other
+        assert ran[-8:] == [rival, ("logits", 64)] * 4
+        assert (search.pick().slab_form, search.pick().chunk_size) == kept
 
 
 def test_the_rematch_compares_medians_and_keeps_a_pick_within_the_tolerance():

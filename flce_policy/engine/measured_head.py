@@ -17,7 +17,7 @@ from flce_policy.engine.clock import Clock, Lap
 from flce_policy.engine.measured_group import STALE_EXCHANGES, GroupSync, Message, broadcast_group, rank
 from flce_policy.plan.device import DeviceInfo
 from flce_policy.plan.geometry import Geometry
-from flce_policy.plan.measuring import BucketPick, Search, candidates, measured_forms
+from flce_policy.plan.measuring import BucketPick, Search, candidates, measured_forms, predicted_fastest_form
 from flce_policy.plan.oom import OOMFallback
 from flce_policy.plan.problem import Problem
 from flce_policy.strategies import ChunkStrategy
@@ -129,9 +129,9 @@ class MeasuredHead:
 
     def _search(self, bucket: Problem, kind: str) -> BucketSearch:
         strategy: Any = self.strategy
-        limit = self.limit(bucket)
+        limit, rates = self.limit(bucket), strategy.planned_rates(self.device)
         forms = measured_forms(
-            limit, self.device, strategy.planned_rates(self.device),
+            limit, self.device, rates,
             slab_forms=[self.pin] if self.pin is not None else strategy.slab_forms, form_margin=strategy.form_margin,
         )  # fmt: skip
         search = Search(
@@ -139,6 +139,7 @@ class MeasuredHead:
             warmup_calls=strategy.warmup_calls,
             timed_calls=strategy.timed_calls,
             tolerance=strategy.tolerance,
+            incumbent_form=predicted_fastest_form(limit, forms, rates),
         )
         return BucketSearch(search, self._key(bucket, kind), limit)
 

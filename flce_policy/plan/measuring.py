@@ -18,10 +18,12 @@ and ``flce-policy tune`` (timed by the benchmark), so that ``tune`` writes what 
   timed ones, its time the least of them. A form stops going down at the first candidate more than
   that tolerance slower than its best so far: a chunk that small only gets slower (the GEMMs lose their
   efficiency), so the rest would be measured for nothing. A candidate that ran out of memory is dropped, with
-  every candidate of as many rows or more. Then the pick and its rival (the fastest other candidate) run again in
-  turn, :data:`REMATCH_CALLS` timed calls each, and the pick stands unless its median is more than the tolerance
-  behind the rival's: timed one after the other, a candidate's few calls share the GPU's clocks of that moment
-  (H100 and H200: picks timed within 1% of a larger slab that way ran 4-6% slower than it when the two alternated).
+  every candidate of as many rows or more. Then the pick and its rival run again in turn, :data:`REMATCH_CALLS`
+  timed calls each, and the pick stands unless its median is more than the tolerance behind the rival's: timed
+  one after the other, a candidate's few calls share the GPU's clocks of that moment (H100 and H200: picks timed
+  fastest or within 1% that way ran 4-6% slower than the limit when the two alternated). The rival is the
+  incumbent (the limit's rows in the form the cost model predicts fastest: what would run unmeasured) where the
+  pick is another candidate, else the fastest other candidate.
 
 Pure Python on :class:`~flce_policy.plan.geometry.Geometry`: nothing here times anything.
 """
@@ -54,6 +56,7 @@ __all__ = [
     "candidates",
     "measured_forms",
     "pick",
+    "predicted_fastest_form",
 ]
 
 #: A pick is as good as the fastest when it runs within 2% of its time: about the run-to-run spread of a call's
@@ -151,6 +154,11 @@ def measured_forms(
     return [f for f in forms if seconds[f] <= fastest * (1 + form_margin)]
 
 
+def predicted_fastest_form(limit: Geometry, forms: Sequence[str], rates: DeviceRates) -> str:
+    """Of ``forms``, the one the cost model predicts fastest at ``limit``'s rows (the first of equals)."""
+    return min(forms, key=lambda f: predict_seconds(limit.with_slab_form(f), rates).seconds)
+
+
 def candidates(limit: Geometry, forms: Sequence[str], *, rows: Iterable[int] | None = None) -> list[Geometry]:
     """The geometries to measure for ``limit``'s problem: :func:`candidate_rows` under ``limit``'s rows, in
     ``limit``'s vocab tiles, times ``forms`` (:func:`measured_forms`), grouped by form, most rows first."""
@@ -201,8 +209,11 @@ class Search:
         warmup_calls: int = 1,
         timed_calls: int = 2,
         tolerance: float = PICK_TOLERANCE,
+        incumbent_form: str | None = None,
     ) -> None:
         self.geometries = list(geometries)
+        # the rematch's rival where the pick is another: the most rows in this form (None: no incumbent)
+        self.incumbent = next((g for g in self.geometries if g.slab_form == incumbent_form), None)
         self.warmup_calls = warmup_calls
         self.timed_calls = timed_calls
         self.tolerance = tolerance
@@ -230,14 +241,15 @@ class Search:
         return self._next_rematch()
 
     def _next_rematch(self) -> tuple[Geometry, bool] | None:
-        """The pick and its rival (the fastest other candidate) in turn, :data:`REMATCH_CALLS` timed calls each."""
+        """The pick and its rival in turn, :data:`REMATCH_CALLS` timed calls each."""
         if self._rematch is None:
             times = self.times
             if not times:
                 return None
             kept = pick(times, self.tolerance)
             others = [g for g in times if g != kept]
-            self._rematch = {min(others, key=times.__getitem__): [], kept: []} if others else {}
+            rival = self.incumbent if self.incumbent in others else min(others, key=times.__getitem__, default=None)
+            self._rematch = {} if rival is None else {rival: [], kept: []}
         if not self._rematch or any(g in self.dropped for g in self._rematch):
             return None
         behind = min(self._rematch, key=lambda g: len(self._rematch[g]))  # type: ignore[index]
