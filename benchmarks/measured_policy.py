@@ -234,6 +234,21 @@ def _inputs(spec: str, shape: Sequence[int] | None, device: torch.device) -> Inp
     return inputs  # type: ignore[return-value]
 
 
+def _inputs_file(spec: str) -> str:
+    """The file every side loads for ``spec`` (trained: built here first, before either side: a side that built them
+    would train the model on this package's kernels in its own Triton cache, its first calls then starting warm;
+    each side's cache folder differs, so ``trained`` there would not find this build)."""
+    if spec != "trained":
+        return spec
+    from .trained_config import TrainedConfig
+    from .trained_inputs import cache_path, inputs_from_spec
+
+    inputs_from_spec(spec, "cpu")  # loads or builds (trains on the GPU) the default build's file
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return str(cache_path(TrainedConfig()).resolve())
+
+
 def _in_fresh_process(args: list[str], env: dict[str, str]) -> dict[str, Any]:
     """This module's ``--phase`` run in a new Python (its caches as ``env`` says); its JSON line."""
     done = subprocess.run(
@@ -302,13 +317,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _first_calls_checks(args: argparse.Namespace, scratch: str, first_shape: Any) -> dict[str, Any]:
     """Checks 2 and 3, each side in a fresh process with fresh Triton and pick caches (the second: the first's)."""
-    if args.inputs != "random":
-        # built here, before either side: a side that built them would train the model on this package's kernels,
-        # its first calls then starting on kernels compiled in its cache
-        _inputs(args.inputs, first_shape, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    common = ["--phase", "first-calls", "--first-calls", str(args.first_calls), "--inputs", args.inputs]
+    spec = args.inputs if args.inputs == "random" else _inputs_file(args.inputs)
+    common = ["--phase", "first-calls", "--first-calls", str(args.first_calls), "--inputs", spec]
     if first_shape is not None:
         common += ["--first-shape", format_shape(first_shape)]
     sides = {}

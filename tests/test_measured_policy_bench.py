@@ -70,3 +70,36 @@ def test_first_calls_and_a_second_process(monkeypatch, capsys):
     for side in ("rule", "measured", "second"):
         assert 0 < checks[side]["first_call_seconds"] <= checks[side]["seconds"]
     assert report["goals_met"]["second_process_measures_nothing"] is True
+
+
+def test_both_sides_load_the_trained_inputs_the_parent_built(monkeypatch, tmp_path, capsys):
+    """``--inputs trained``: the build happens once, in this process, and every side is handed its file: a side
+    asking for ``trained`` under its own cache folder would train the model again, warming its Triton cache."""
+    from flce_policy.benchmarks import trained_inputs
+
+    data = tiny()
+    built = tmp_path / "built.pt"
+    calls = []
+
+    def build(spec, device="cuda"):
+        calls.append(spec)
+        torch.save({"x": data.x, "weight": data.weight, "target": data.target, "key": "tiny"}, built)
+        return trained_inputs.trained_inputs(torch.load(built), device), "trained tiny"
+
+    monkeypatch.setattr(trained_inputs, "inputs_from_spec", build)
+    monkeypatch.setattr(trained_inputs, "cache_path", lambda config, cache_dir=None: built)
+    seen = []
+
+    def in_this_process(args, env):
+        ns = bench.build_parser().parse_args(args)
+        seen.append(ns.inputs)
+        loaded = torch.load(ns.inputs)
+        assert loaded["key"] == "tiny"
+        monkeypatch.setenv(pick_cache.CACHE_ENV_VAR, env[pick_cache.CACHE_ENV_VAR])
+        return bench.first_calls(trained_inputs.trained_inputs(loaded, "cpu"), ns.which, 4)
+
+    monkeypatch.setattr(bench, "_in_fresh_process", in_this_process)
+    assert bench.main(["--checks", "first-calls", "--inputs", "trained", "--first-calls", "4"]) == 0
+    assert calls == ["trained"]  # built once, here
+    assert seen == [str(built.resolve())] * 3  # rule, measured and the second process: the same file
+    assert json.loads(capsys.readouterr().out)["first_calls"]["second"]["measuring_calls"] == 0
