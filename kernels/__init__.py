@@ -13,16 +13,7 @@ if __name__ == "kernels":  # imported from the repository root: yield to an inst
 else:
     # Every module defining a Triton kernel, imported here at once: all follow KERNELS_INTERPRETED, read once
     # (flce_policy.kernels.interpreter says why).
-    from . import (  # noqa: F401
-        ce_kernel,
-        loss_total,
-        rounding,
-        safe_targets,
-        scale,
-        scaled_exp,
-        target_grad,
-        weight_grad_filter,
-    )
+    from . import ce_kernel, loss_total, rounding, safe_targets, scale, scaled_exp, target_grad, weight_grad_filter  # noqa: F401
     from .interpreter import KERNELS_INTERPRETED, interpreter_requested
 
 __all__ = ["KERNELS_INTERPRETED", "interpreter_requested"]
