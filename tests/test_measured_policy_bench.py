@@ -54,22 +54,41 @@ def test_compare_shape_measures_then_times_both():
 
 
 def test_first_calls_and_a_second_process(monkeypatch, capsys):
+    order = []
+
     def in_this_process(args, env):
         monkeypatch.setenv(pick_cache.CACHE_ENV_VAR, env[pick_cache.CACHE_ENV_VAR])
         ns = bench.build_parser().parse_args(args)
+        order.append((ns.which, env.get("TRITON_CACHE_DIR"), env[pick_cache.CACHE_ENV_VAR]))
         return bench.first_calls(bench._inputs(ns.inputs, ns.first_shape[0], torch.device("cpu")), ns.which, 6)
 
     monkeypatch.setattr(bench, "_in_fresh_process", in_this_process)
     argv = ["--checks", "first-calls", "--inputs", "random", "--first-shape", "256x16x96", "--first-calls", "6"]
-    assert bench.main(argv) == 0
+    assert bench.main([*argv, "--pairs", "2"]) == 0
     report = json.loads(capsys.readouterr().out)
     checks = report["first_calls"]
-    assert (checks["rule"]["measuring_calls"], checks["measured"]["measuring_calls"]) == (0, 3)
+    # the pairs take turns going first, each side on fresh Triton and pick caches; the second process on the last's
+    assert [which for which, _, _ in order] == ["rule", "measured", "measured", "rule", "measured"]
+    assert len({triton for _, triton, _ in order[:4]}) == 4 and len({picks for _, _, picks in order[:4]}) == 2
+    assert order[4][2] == order[3][2]
+    assert len(checks["pairs"]) == 2
+    for pair in checks["pairs"]:
+        assert (pair["rule"]["measuring_calls"], pair["measured"]["measuring_calls"]) == (0, 3)
+        assert (pair["rule"]["forms_measured"], pair["measured"]["forms_measured"]) == ([], ["logits"])
+        for side in ("rule", "measured"):
+            assert 0 < pair[side]["first_call_seconds"] <= pair[side]["seconds"]
     assert checks["second"]["measuring_calls"] == 0
-    assert (checks["rule"]["forms_measured"], checks["measured"]["forms_measured"]) == ([], ["logits"])
-    for side in ("rule", "measured", "second"):
-        assert 0 < checks[side]["first_call_seconds"] <= checks[side]["seconds"]
+    medians = checks["median_seconds"]
+    for side in ("rule", "measured"):
+        assert medians[side] == pytest.approx(sum(p[side]["seconds"] for p in checks["pairs"]) / 2)
+    assert checks["overhead"] == pytest.approx(medians["measured"] / medians["rule"] - 1, abs=1e-4)
     assert report["goals_met"]["second_process_measures_nothing"] is True
+
+
+def test_pairs_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        bench.build_parser().parse_args(["--pairs", "0"])
+    assert "--pairs: must be at least 1, got 0" in capsys.readouterr().err
 
 
 def test_both_sides_load_the_trained_inputs_the_parent_built(monkeypatch, tmp_path, capsys):
@@ -99,7 +118,7 @@ def test_both_sides_load_the_trained_inputs_the_parent_built(monkeypatch, tmp_pa
         return bench.first_calls(trained_inputs.trained_inputs(loaded, "cpu"), ns.which, 4)
 
     monkeypatch.setattr(bench, "_in_fresh_process", in_this_process)
-    assert bench.main(["--checks", "first-calls", "--inputs", "trained", "--first-calls", "4"]) == 0
+    assert bench.main(["--checks", "first-calls", "--inputs", "trained", "--first-calls", "4", "--pairs", "2"]) == 0
     assert calls == ["trained"]  # built once, here
-    assert seen == [str(built.resolve())] * 3  # rule, measured and the second process: the same file
+    assert seen == [str(built.resolve())] * 5  # two pairs and the second process: the same file
     assert json.loads(capsys.readouterr().out)["first_calls"]["second"]["measuring_calls"] == 0
