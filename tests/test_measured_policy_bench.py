@@ -65,7 +65,8 @@ def test_first_calls_and_a_second_process(monkeypatch, capsys):
     monkeypatch.setattr(bench, "_in_fresh_process", in_this_process)
     argv = ["--checks", "first-calls", "--inputs", "random", "--first-shape", "256x16x96", "--first-calls", "6"]
     assert bench.main([*argv, "--pairs", "2"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
     checks = report["first_calls"]
     # the pairs take turns going first, each side on fresh Triton and pick caches; the second process on the last's
     assert [which for which, _, _ in order] == ["rule", "measured", "measured", "rule", "measured"]
@@ -82,6 +83,13 @@ def test_first_calls_and_a_second_process(monkeypatch, capsys):
     for side in ("rule", "measured"):
         assert medians[side] == pytest.approx(sum(p[side]["seconds"] for p in checks["pairs"]) / 2)
     assert checks["overhead"] == pytest.approx(medians["measured"] / medians["rule"] - 1, abs=1e-4)
+    after = checks["median_seconds_after_the_first_call"]
+    for side in ("rule", "measured"):
+        rest = [p[side]["seconds"] - p[side]["first_call_seconds"] for p in checks["pairs"]]
+        assert after[side] == pytest.approx(sum(rest) / 2)
+    assert checks["overhead_after_the_first_call"] == pytest.approx(after["measured"] / after["rule"] - 1, abs=1e-4)
+    printed = [line for line in captured.err.splitlines() if line.startswith("first calls, pair")]
+    assert len(printed) == 4 and json.loads(printed[-1].split(": ", 1)[1])["which"] == "rule"  # pair 2: rule last
     assert report["goals_met"]["second_process_measures_nothing"] is True
 
 
