@@ -18,7 +18,10 @@ of the issue's goals:
    ``measured``, another under the rule; ``--pairs`` such pairs, in turn (the first call's compile alone swings by
    about half a second from one process to the next); the overhead ``median(measured) / median(rule) - 1`` (goal
    <= 2%), and the same over the calls after each process's first. Each side reports its first call's time and the
-   forms it measured, where the warm-up went; each side's line goes to stderr as it ends.
+   forms it measured, where the warm-up went; each side's line goes to stderr as it ends. ``--triton-cache
+   rule-warm``: each side starts from a copy of a Triton cache that a rule process filled first, so the compile of
+   the kernels both sides run (seconds, swinging by one from one process to the next) leaves the comparison, and
+   what ``measured`` compiles beyond them stays in it.
 3. **A second process** on the last pair's pick cache: its measuring calls (goal 0).
 
 On the CPU (``TRITON_INTERPRET=1``) it runs as a smoke test: the host's clock, the CPU's rule removed.
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -271,6 +275,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--calls", type=int, default=30, help="timed calls after the warm-up, per side (30)")
     parser.add_argument("--first-calls", type=int, default=200, help="calls of check 2 and 3 (200)")
     parser.add_argument("--pairs", type=_positive, default=3, help="check 2's fresh-process pairs, in turn (3)")
+    parser.add_argument(
+        "--triton-cache",
+        choices=("cold", "rule-warm"),
+        default="cold",
+        help="check 2's Triton cache per side: empty (cold, default), or a copy of one the rule's kernels were "
+        "compiled into first (rule-warm: the compile's swing out of both sides; what measured compiles beyond them "
+        "stays in)",
+    )
     parser.add_argument("--inputs", default="trained", help="check 2's inputs: trained (default), random, a file")
     parser.add_argument("--first-shape", type=parse_shapes, help="check 2's shape with --inputs random")
     parser.add_argument(
@@ -325,13 +337,21 @@ def _first_calls_checks(args: argparse.Namespace, scratch: str, first_shape: Any
     common = ["--phase", "first-calls", "--first-calls", str(args.first_calls), "--inputs", spec]
     if first_shape is not None:
         common += ["--first-shape", format_shape(first_shape)]
+    warmed = None
+    if args.triton_cache == "rule-warm":  # one rule process compiles its kernels into a cache each side starts from
+        warmed = Path(scratch, "triton-warmed")
+        env = {**os.environ, "TRITON_CACHE_DIR": str(warmed), pick_cache.CACHE_ENV_VAR: str(Path(scratch, "warming"))}
+        warming = _in_fresh_process([*common, "--which", "rule"], env)
+        print(f"first calls, warming the Triton cache: {json.dumps(warming)}", file=sys.stderr, flush=True)
     pairs = []
     for pair in range(args.pairs):
         picks = str(Path(scratch, f"first-calls-{pair}"))
         sides = {}
         for which in ("rule", "measured") if pair % 2 == 0 else ("measured", "rule"):
-            triton_cache = str(Path(scratch, f"triton-{pair}-{which}"))
-            env = {**os.environ, "TRITON_CACHE_DIR": triton_cache, pick_cache.CACHE_ENV_VAR: picks}
+            triton_cache = Path(scratch, f"triton-{pair}-{which}")
+            if warmed is not None:
+                shutil.copytree(warmed, triton_cache)  # a copy each: a side's own compiles stay its own
+            env = {**os.environ, "TRITON_CACHE_DIR": str(triton_cache), pick_cache.CACHE_ENV_VAR: picks}
             sides[which] = _in_fresh_process([*common, "--which", which], env)
             print(f"first calls, pair {pair + 1}: {json.dumps(sides[which])}", file=sys.stderr, flush=True)
         pairs.append(sides)
@@ -344,6 +364,7 @@ def _first_calls_checks(args: argparse.Namespace, scratch: str, first_shape: Any
         for which in ("rule", "measured")
     }
     return {
+        "triton_cache": args.triton_cache,
         "pairs": pairs,
         "median_seconds": seconds,
         "median_seconds_after_the_first_call": after_first,

@@ -7,6 +7,7 @@ the host's clock; the checks' glue runs in this process (the fresh processes' si
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,6 +92,50 @@ def test_first_calls_and_a_second_process(monkeypatch, capsys):
     printed = [line for line in captured.err.splitlines() if line.startswith("first calls, pair")]
     assert len(printed) == 4 and json.loads(printed[-1].split(": ", 1)[1])["which"] == "rule"  # pair 2: rule last
     assert report["goals_met"]["second_process_measures_nothing"] is True
+
+
+def test_rule_warm_starts_each_side_from_its_own_copy_of_a_cache_the_rule_filled(monkeypatch, capsys):
+    seen = []
+
+    def in_this_process(args, env):
+        ns = bench.build_parser().parse_args(args)
+        cache = Path(env.get("TRITON_CACHE_DIR", Path(env[pick_cache.CACHE_ENV_VAR], "default-triton")))
+        seen.append((ns.which, cache, sorted(p.name for p in cache.glob("*")) if cache.exists() else []))
+        cache.mkdir(parents=True, exist_ok=True)
+        (cache / f"{ns.which}.kernel").write_text("compiled")  # what this process compiles
+        monkeypatch.setenv(pick_cache.CACHE_ENV_VAR, env[pick_cache.CACHE_ENV_VAR])
+        return bench.first_calls(bench._inputs(ns.inputs, ns.first_shape[0], torch.device("cpu")), ns.which, 4)
+
+    monkeypatch.setattr(bench, "_in_fresh_process", in_this_process)
+    argv = ["--checks", "first-calls", "--inputs", "random", "--first-shape", "256x16x96", "--first-calls", "4"]
+    assert bench.main([*argv, "--pairs", "2", "--triton-cache", "rule-warm"]) == 0
+    assert json.loads(capsys.readouterr().out)["first_calls"]["triton_cache"] == "rule-warm"
+    warming, *sides, second = seen
+    assert warming[0] == "rule" and warming[2] == []  # the warming process starts empty
+    assert [which for which, _, _ in sides] == ["rule", "measured", "measured", "rule"]
+    for _, cache, found in sides:  # each side: the rule's kernels only, not another side's
+        assert found == ["rule.kernel"] and cache != warming[1]
+    assert len({cache for _, cache, _ in sides}) == 4
+    assert second[0] == "measured"
+
+
+def test_the_cold_cache_starts_each_side_empty(monkeypatch, capsys):
+    seen = []
+
+    def in_this_process(args, env):
+        ns = bench.build_parser().parse_args(args)
+        cache = Path(env.get("TRITON_CACHE_DIR", Path(env[pick_cache.CACHE_ENV_VAR], "default-triton")))
+        seen.append(cache.exists() and any(cache.iterdir()))
+        cache.mkdir(parents=True, exist_ok=True)
+        (cache / "kernel").write_text("compiled")
+        monkeypatch.setenv(pick_cache.CACHE_ENV_VAR, env[pick_cache.CACHE_ENV_VAR])
+        return bench.first_calls(bench._inputs(ns.inputs, ns.first_shape[0], torch.device("cpu")), ns.which, 4)
+
+    monkeypatch.setattr(bench, "_in_fresh_process", in_this_process)
+    argv = ["--checks", "first-calls", "--inputs", "random", "--first-shape", "256x16x96", "--first-calls", "4"]
+    assert bench.main([*argv, "--pairs", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["first_calls"]["triton_cache"] == "cold"
+    assert seen[:4] == [False] * 4  # two pairs, no side sees a kernel another compiled
 
 
 def test_pairs_must_be_positive(capsys):
