@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU half of the project, in one script, for the GPU the device tool lends (H100 or H200):
-#   bash benchmarks/run_gpu_suite.sh [tests] [bench] [smallheads] [smallheads-busy] [compile] [hf] [sharded] [trained] [convergence] [overlap] [measured]
+#   bash benchmarks/run_gpu_suite.sh [tests] [bench] [smallheads] [smallheads-busy] [compile] [hf] [sharded] [trained] [convergence] [overlap] [measured] [measured-first]
 #     [quick METHODS SHAPES...]
 # (smallheads: the small- and large-head shape sets against QuACK and Liger, and the accuracy table;
 # QuACK is installed by benchmarks/install_quack.sh from $QUACK_WHEELS (default .whl/quack/; its largest wheel
@@ -18,7 +18,7 @@
 # (Geometry.overlap_weight_grad), with bench --busy-start, interleaved, 7 repeats, at 8192x5376x262144 and
 # 32768x5376x262144, then tests/test_gpu_overlap_weight_grad.py, benchmarks/chunk_gemm_bound.py and profile_chunks.py;
 # measured: benchmarks/measured_policy.py's checks,
-# the nine shapes and the first calls, with this GPU's rules removed)
+# the nine shapes and the first calls, with this GPU's rules removed; measured-first: the first calls alone)
 # Expects wheels in .whl/ (ours, built with `python -m build --wheel -o .whl`, plus the peers
 # liger-kernel and cut-cross-entropy, and pydantic's wheels where the machine lacks it: benchmarks/README.md); installs
 # them into /tmp/site and runs from outside the
@@ -134,9 +134,14 @@ while [ $# -gt 0 ]; do
       # measured on this GPU standing for an unknown one (its rules removed), against its rule: the nine shapes after
       # the warm-up, then the first calls of a fresh process each side and a second process on the cache; the first
       # calls' inputs: MEASURED_INPUTS (random, default, at 16384x1024x131072; or trained: builds the small Llama first)
+      # MEASURED_PAIRS (3) fresh-process pairs; MEASURED_TRITON_CACHE cold (default) or rule-warm
       python3 -m flce_policy.benchmarks.measured_policy --checks shapes --calls 20 --out "$out/measured_shapes" 2>&1 \
         | tee "$out/measured_shapes.log" || status=1
+      set -- measured-first "${@:2}" ;;  # then its first calls
+    measured-first)
+      # the first calls alone (the measured stage's second half)
       if [ "${MEASURED_INPUTS:-random}" = random ]; then first=(--inputs random --first-shape 16384x1024x131072); else first=(--inputs "$MEASURED_INPUTS"); fi
+      first+=(--pairs "${MEASURED_PAIRS:-3}" --triton-cache "${MEASURED_TRITON_CACHE:-cold}")
       python3 -m flce_policy.benchmarks.measured_policy --checks first-calls "${first[@]}" --out "$out/measured_first_calls" 2>&1 \
         | tee "$out/measured_first_calls.log" || status=1
       shift ;;
