@@ -342,6 +342,7 @@ def _first_calls_checks(args: argparse.Namespace, scratch: str, first_shape: Any
         warmed = Path(scratch, "triton-warmed")
         env = {**os.environ, "TRITON_CACHE_DIR": str(warmed), pick_cache.CACHE_ENV_VAR: str(Path(scratch, "warming"))}
         warming = _in_fresh_process([*common, "--which", "rule"], env)
+        warmed.mkdir(parents=True, exist_ok=True)  # (under the interpreter nothing compiles into it)
         print(f"first calls, warming the Triton cache: {json.dumps(warming)}", file=sys.stderr, flush=True)
     pairs = []
     for pair in range(args.pairs):
