@@ -57,6 +57,27 @@ def test_profile_chunks_builds_ours_at_each_chunk_size_and_each_runs():
         steps[label]()
 
 
+def test_profile_chunks_pins_each_form_asked_and_times_the_floor_first(monkeypatch):
+    from flce_policy import fused_linear_cross_entropy
+
+    seen = []
+
+    def recording(x, weight, target, *, policy=None, **options):
+        seen.append(getattr(policy, "default_slab_form", None))
+        return fused_linear_cross_entropy(x, weight, target, policy=policy, **options)
+
+    monkeypatch.setattr("flce_policy.fused_linear_cross_entropy", recording)
+    args = profile_chunks.build_parser().parse_args(["64x32x256", "16", "--slab-forms", "logits", "scaled_exp_rows"])
+    steps = profile_chunks.profiled_steps(args.shape, args.chunks, device="cpu", slab_forms=args.slab_forms, floor=True)
+    labels = [label for label in steps if not label.startswith("liger")]
+    assert labels == ["floor (three cuBLAS GEMMs)", "ours chunk 16 logits", "ours chunk 16 scaled_exp_rows"]
+    for label in labels[1:]:
+        steps[label]()
+    assert seen == ["logits", "scaled_exp_rows"]  # each step's policy pins its form
+    with pytest.raises(SystemExit):
+        profile_chunks.build_parser().parse_args(["64x32x256", "16", "--slab-forms", "no_such_form"])
+
+
 def test_quick_measures_the_named_rows_at_the_shape_given(monkeypatch, capsys):
     def run_once(step, **_):
         step()
