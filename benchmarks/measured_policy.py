@@ -16,7 +16,7 @@ of the issue's goals:
 2. **The first calls of a training** (``--inputs trained``: the small trained Llama's head, one shape): a fresh
    process (fresh Triton and pick caches) times ``--first-calls`` calls (the wall clock, compile included) under
    ``measured``, another under the rule; ``--pairs`` such pairs, in turn (the first call's compile alone swings by
-   about half a second from one process to the next); the overhead ``median(measured) / median(rule) - 1`` (goal
+   about a second from one process to the next); the overhead ``median(measured) / median(rule) - 1`` (goal
    <= 2%), and the same over the calls after each process's first. Each side reports its first call's time and the
    forms it measured, where the warm-up went; each side's line goes to stderr as it ends. ``--triton-cache
    rule-warm``: each side starts from a copy of a Triton cache that a rule process filled first, so the compile of
