@@ -53,6 +53,7 @@ from flce_policy.plan.device import DeviceInfo
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.problem import Problem
 
+from .cli import int_at_least
 from .methods import Inputs, make_inputs
 from .suite import SHAPE_SETS, expand_shapes, format_shape, parse_shapes
 
@@ -274,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shapes", nargs="+", type=parse_shapes, help="shapes or sets; default: the nine")
     parser.add_argument("--calls", type=int, default=30, help="timed calls after the warm-up, per side (30)")
     parser.add_argument("--first-calls", type=int, default=200, help="calls of check 2 and 3 (200)")
-    parser.add_argument("--pairs", type=_positive, default=3, help="check 2's fresh-process pairs, in turn (3)")
+    parser.add_argument("--pairs", type=int_at_least(1), default=3, help="check 2's fresh-process pairs, in turn (3)")
     parser.add_argument(
         "--triton-cache",
         choices=("cold", "rule-warm"),
@@ -373,13 +374,6 @@ def _first_calls_checks(args: argparse.Namespace, scratch: str, first_shape: Any
         "overhead": round(seconds["measured"] / seconds["rule"] - 1, 4),
         "overhead_after_the_first_call": round(after_first["measured"] / after_first["rule"] - 1, 4),
     }
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def _row_text(row: dict[str, Any]) -> str:

@@ -138,10 +138,11 @@ def test_the_cold_cache_starts_each_side_empty(monkeypatch, capsys):
     assert seen[:4] == [False] * 4  # two pairs, no side sees a kernel another compiled
 
 
-def test_pairs_must_be_positive(capsys):
+@pytest.mark.parametrize("text", ["0", "two"])
+def test_pairs_must_be_a_positive_integer(capsys, text):
     with pytest.raises(SystemExit):
-        bench.build_parser().parse_args(["--pairs", "0"])
-    assert "--pairs: must be at least 1, got 0" in capsys.readouterr().err
+        bench.build_parser().parse_args(["--pairs", text])
+    assert f"--pairs: expected an integer >= 1, got {text if text == '0' else repr(text)}" in capsys.readouterr().err
 
 
 def test_both_sides_load_the_trained_inputs_the_parent_built(monkeypatch, tmp_path, capsys):
