@@ -73,11 +73,12 @@ def test_back_to_back_times_each_row_s_calls_together(calls):
     assert records[1].x_floor == pytest.approx(1.1)
 
 
-def test_interleaved_rows_are_warmed_first_then_timed_in_rounds(calls):
+def test_interleaved_rows_are_warmed_first_then_timed_in_rounds_each_starting_one_row_later(calls):
     records = _run([_row("gemm_floor", 0), _row("a", 1), _row("b", 2)], interleave=True, busy_start=True)
     assert calls[:3] == [("warm", "gemm_floor"), ("warm", "a"), ("warm", "b")]
     timed = [row for what, row in calls if what == "time"]
-    assert timed == ["gemm_floor", "a", "b"] * 5
+    rounds = [["gemm_floor", "a", "b"], ["a", "b", "gemm_floor"], ["b", "gemm_floor", "a"]]
+    assert timed == [row for i in range(5) for row in rounds[i % 3]]
     assert [row for what, row in calls if what == "peak"] == ["gemm_floor", "a", "b"]
     assert [(r.method, r.times_ms, r.peak_bytes, r.status) for r in records] == [
         ("gemm_floor", (10.5,) * 5, 100, "ok"),
@@ -91,7 +92,8 @@ def test_an_interleaved_row_that_breaks_or_cannot_run_leaves_the_others_their_ro
     rows = [_row("gemm_floor", 0), _row("broken", 1, fail_on_call=2), _row("peer", 2, unavailable=True), _row("a", 3)]
     records = _run(rows, interleave=True)
     timed = [row for what, row in calls if what == "time"]
-    assert timed == ["gemm_floor", "broken", "a"] + ["gemm_floor", "a"] * 4  # broken: its second call raised
+    # broken: its second call raised; the rounds start at floor, broken, peer, a, floor (peer never runs)
+    assert timed == ["gemm_floor", "broken", "a"] + ["a", "gemm_floor"] * 3 + ["gemm_floor", "a"]
     by_name = {r.method: r for r in records}
     assert by_name["broken"].status == "error: RuntimeError: broke on its second timed call"
     assert by_name["broken"].median_ms is None and by_name["broken"].x_floor is None
