@@ -3,10 +3,10 @@
 Per chunk: logits = x_c @ W.T (+ b) into the reused slab (or, with ``geometry.slab_form == "scaled_exp"``,
 exp(z - m) per column tile and the CE partials from a Triton GEMM: :mod:`flce_policy.kernels.scaled_exp`);
 the CE kernel turns the slab into dL/dlogits in place; then grad_input_c = G @ W,
-grad_weight += G.T @ x_c, grad_bias += sum(G) (with ``params.grad_weight_filter`` the last two over G's
-flagged tiles only: :mod:`flce_policy.kernels.weight_grad_filter`; with ``geometry.overlap_weight_grad`` on a
-second CUDA stream beside grad_input's GEMM: :mod:`flce_policy.kernels.side_stream`).
-The driver decides nothing about the geometry: it is handed one and runs it.
+grad_weight += G.T @ x_c (cuBLAS, or :mod:`flce_policy.kernels.weight_grad_gemm`), grad_bias += sum(G) (with
+``params.grad_weight_filter`` the last two over G's flagged tiles only: :mod:`flce_policy.kernels.weight_grad_filter`;
+with ``geometry.overlap_weight_grad`` on a second CUDA stream beside grad_input's GEMM:
+:mod:`flce_policy.kernels.side_stream`). The driver decides nothing about the geometry: it is handed one and runs it.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from .driver_call import (
     notify,
     observe_chunks,
 )
-from .gemm import accumulate_mm
 from .scaled_exp import scaled_exp_logits
 from .side_stream import weight_grad_stream
 from .target_grad import TargetTerms
@@ -45,6 +44,7 @@ from .weight_grad_filter import (
     flag_tiles,
     rest_after_dense,
 )
+from .weight_grad_gemm import accumulate_weight_grad
 
 # The call and event types and the test hooks live below both drivers (driver_call); re-exported as the driver's API.
 __all__ = [
@@ -248,7 +248,7 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
             else:
                 if grad_weight is not None:
                     # The first chunk overwrites (beta=0): no zero-fill of a parameter-sized buffer.
-                    accumulate_mm(grad_weight, logits.t(), x_operand, first=index == 0)
+                    accumulate_weight_grad(grad_weight, logits, x_operand, first=index == 0)
                 if filtered:
                     count_unfiltered(stop - start, logits.shape[1], logits.device)
             if grad_bias is not None and chunk_scratch is None:

@@ -75,13 +75,13 @@ def test_overlapped_equals_serial_bit_for_bit(accum_dtype, bias, reduction):
 def test_grad_weight_work_runs_on_the_side_stream_only_when_asked(overlap, monkeypatch):
     """Where each chunk's grad_weight GEMM is queued; the caller's stream is current again after the call."""
     queued_on: list[torch.cuda.Stream] = []
-    real_mm = driver.accumulate_mm
+    real_mm = driver.accumulate_weight_grad
 
     def spy(*args, **kwargs):
         queued_on.append(torch.cuda.current_stream())
         return real_mm(*args, **kwargs)
 
-    monkeypatch.setattr(driver, "accumulate_mm", spy)
+    monkeypatch.setattr(driver, "accumulate_weight_grad", spy)
     x, w, y, b = _inputs(bias=True)
     main = torch.cuda.current_stream()
     geometry = Geometry.for_problem(PROBLEM, CHUNK, overlap_weight_grad=overlap)

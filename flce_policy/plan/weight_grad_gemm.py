@@ -1,0 +1,50 @@
+"""Which GEMM runs a row chunk's grad_weight update: cuBLAS, or the overlapped Gluon kernel where measured faster.
+
+A chunk of n rows updates the whole ``[V, H]`` gradient with a GEMM of depth n. cuBLAS's beta=1 GEMM reads and
+writes the gradient after its main loop; at a few hundred rows that read-modify-write is a third of its time. The
+Gluon kernel (:mod:`flce_policy.kernels.weight_grad_gemm`) fetches each block of the gradient while the tensor cores
+work, but its main loop (128x128 tiles) runs slower than cuBLAS's once n grows. Per chunk after the first, on an
+H100 80GB HBM3 against cuBLAS: 0.77x at 128 rows, 0.74-0.81x at 256, 0.79x at 384, 0.96-0.98x at 512, 1.15x at
+640, 1.39-1.42x at 1024 (V x H = 262144 x 5376; 0.74-0.96x from 128 to 512 rows and 1.16x at 640 at 128256 x 4096).
+The first chunk, with nothing to read, stays on cuBLAS (0.86-1.19x either way up to 512 rows). The chunk's geometry
+is the same either way: this picks an implementation of one GEMM, not the rows or the memory.
+
+``FLCE_POLICY_WEIGHT_GRAD_GEMM=cublas`` keeps every chunk on cuBLAS (``auto``, the default: this rule).
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = [
+    "GLUON_WEIGHT_GRAD_FAMILIES",
+    "GLUON_WEIGHT_GRAD_MAX_ROWS",
+    "WEIGHT_GRAD_GEMM_ENV_VAR",
+    "gluon_weight_grad_rows",
+    "weight_grad_gemm_setting",
+]
+
+#: The GPU families the Gluon kernel was measured on (others keep cuBLAS until measured).
+GLUON_WEIGHT_GRAD_FAMILIES = frozenset({"H100"})
+#: The most rows a chunk after the first may have for its grad_weight to run on the Gluon kernel.
+GLUON_WEIGHT_GRAD_MAX_ROWS = 512
+#: The environment variable that pins grad_weight's GEMM: "auto" (this rule) or "cublas".
+WEIGHT_GRAD_GEMM_ENV_VAR = "FLCE_POLICY_WEIGHT_GRAD_GEMM"
+_SETTINGS = ("auto", "cublas")
+
+
+def weight_grad_gemm_setting() -> str:
+    """:data:`WEIGHT_GRAD_GEMM_ENV_VAR`'s value ("auto" when unset); ValueError naming the variable for any other."""
+    value = os.environ.get(WEIGHT_GRAD_GEMM_ENV_VAR, "").strip().lower() or "auto"
+    if value not in _SETTINGS:
+        given = os.environ[WEIGHT_GRAD_GEMM_ENV_VAR]
+        raise ValueError(f"{WEIGHT_GRAD_GEMM_ENV_VAR}={given!r}: expected one of {', '.join(_SETTINGS)}")
+    return value
+
+
+def gluon_weight_grad_rows(family: str, *, first: bool) -> int:
+    """The most chunk rows whose grad_weight GEMM runs on the Gluon kernel on a GPU of ``family``: 0 (none) for the
+    first chunk (``first``, the gradient unread), on unmeasured GPUs and wherever the setting is "cublas"."""
+    if first or family not in GLUON_WEIGHT_GRAD_FAMILIES or weight_grad_gemm_setting() == "cublas":
+        return 0
+    return GLUON_WEIGHT_GRAD_MAX_ROWS

@@ -1,0 +1,90 @@
+"""The Gluon grad_weight GEMM on CUDA: ``grad_weight (+)= g.T @ x`` against fp32, beside cuBLAS's error, and where
+the driver runs it.
+
+Run with the GPU suite (``bash benchmarks/run_gpu_suite.sh tests``); skipped without a Hopper GPU or Gluon.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gpu_reference import chunked_fp32_reference, make_inputs, rel_l2
+
+from flce_policy import fused_linear_cross_entropy
+from flce_policy.kernels import weight_grad_gemm as module
+from flce_policy.kernels.gluon_exp_gemm import gluon_available
+from flce_policy.plan.device import family_from_name
+from flce_policy.plan.weight_grad_gemm import GLUON_WEIGHT_GRAD_FAMILIES, WEIGHT_GRAD_GEMM_ENV_VAR
+from flce_policy.strategies import FixedChunkSize
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0) or not gluon_available(),
+        reason="needs a Hopper GPU (sm_90) and Triton's Gluon",
+    ),
+]
+
+
+def _measured_gpu() -> bool:
+    return family_from_name(torch.cuda.get_device_name()) in GLUON_WEIGHT_GRAD_FAMILIES
+
+
+# rows below, at and past a 64-row K-step; V and H multiples of 8 but not of the 128-wide tile
+@pytest.mark.parametrize("rows, vocab, hidden", [(1, 1024, 128), (37, 1000, 136), (256, 4096, 1024), (511, 2056, 520)])
+@pytest.mark.parametrize("first", [True, False], ids=["first", "accumulate"])
+def test_against_fp32_as_close_as_cublas(rows, vocab, hidden, first):
+    gen = torch.Generator(device="cuda").manual_seed(rows + vocab)
+    g = (torch.randn(rows, vocab, device="cuda", generator=gen) * 0.01).bfloat16()
+    x = torch.randn(rows, hidden, device="cuda", generator=gen).bfloat16()
+    old = torch.randn(vocab, hidden, device="cuda", generator=gen).bfloat16() * 0.05
+    want = g.float().t() @ x.float() + (0 if first else old.float())
+    ours = old.clone()
+    module.weight_grad_gemm(ours, g, x, first=first)
+    cublas = torch.addmm(old, g.t(), x, beta=0 if first else 1)
+    assert rel_l2(ours, want) <= 1.2 * rel_l2(cublas, want) + 1e-6
+    assert rel_l2(ours, want) < 4e-3  # bf16's rounding of the sum, no more
+
+
+def test_bad_tensors_get_a_clear_error():
+    g = torch.zeros(64, 1024, device="cuda", dtype=torch.bfloat16)
+    x = torch.zeros(64, 128, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"grad_weight \[V, H\] needed"):
+        module.weight_grad_gemm(torch.zeros(1024, 64, device="cuda", dtype=torch.bfloat16), g, x, first=True)
+    with pytest.raises(ValueError, match="2-D bf16"):
+        module.weight_grad_gemm(torch.zeros(1024, 128, device="cuda"), g, x, first=True)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        module.weight_grad_gemm(torch.zeros(1020, 128, device="cuda", dtype=torch.bfloat16), g[:, :1020], x, first=True)
+
+
+@pytest.mark.parametrize("rows, first, setting", [(256, True, "auto"), (512, False, "auto"), (513, False, "auto"),
+                                                  (512, True, "auto"), (256, False, "cublas")])  # fmt: skip
+def test_the_driver_runs_it_at_the_rule_s_rows_only(rows, first, setting, monkeypatch):
+    monkeypatch.setenv(WEIGHT_GRAD_GEMM_ENV_VAR, setting)
+    launched = []
+    real = module.launch_weight_grad_gemm
+    monkeypatch.setattr(module, "launch_weight_grad_gemm", lambda *a, **k: launched.append(1) or real(*a, **k))
+    g = torch.randn(rows, 2048, device="cuda").bfloat16()
+    x = torch.randn(rows, 256, device="cuda").bfloat16()
+    out = torch.randn(2048, 256, device="cuda").bfloat16()
+    want = g.float().t() @ x.float() + (0 if first else out.float())
+    module.accumulate_weight_grad(out, g, x, first=first)
+    limit = 512 if setting == "auto" and not first and _measured_gpu() else 0
+    assert bool(launched) == (rows <= limit)
+    assert rel_l2(out, want) < 4e-3
+
+
+def test_a_small_chunk_loss_matches_fp32_on_either_gemm(monkeypatch):
+    """The whole loss at 256-row chunks, the Gluon kernel (where the rule runs it) and cuBLAS: errors against fp32
+    alike."""
+    tokens, hidden, vocab = 2048, 1024, 32768
+    x, w, y = make_inputs(tokens, hidden, vocab, torch.bfloat16)
+    _, ref_gx, ref_gw = chunked_fp32_reference(x, w, y)
+    errors = {}
+    for setting in ("auto", "cublas"):
+        monkeypatch.setenv(WEIGHT_GRAD_GEMM_ENV_VAR, setting)
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        fused_linear_cross_entropy(xl, wl, y, policy=FixedChunkSize(256)).backward()
+        errors[setting] = (rel_l2(xl.grad, ref_gx), rel_l2(wl.grad, ref_gw))
+    assert errors["auto"][0] == errors["cublas"][0]  # grad_input's path is the same
+    assert errors["auto"][1] <= 1.1 * errors["cublas"][1]

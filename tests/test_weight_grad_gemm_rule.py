@@ -1,0 +1,58 @@
+"""Where grad_weight's GEMM runs on the Gluon kernel (flce_policy.plan.weight_grad_gemm), and the driver's one call
+for it on CPU, against plain torch in fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flce_policy.kernels.weight_grad_gemm import accumulate_weight_grad, weight_grad_gemm
+from flce_policy.plan.weight_grad_gemm import WEIGHT_GRAD_GEMM_ENV_VAR, gluon_weight_grad_rows
+
+
+@pytest.mark.parametrize("family, first, want", [("H100", False, 512), ("H100", True, 0), ("H200", False, 0),
+                                                 ("A100", True, 0), ("unknown", False, 0)])  # fmt: skip
+def test_rows_by_gpu_and_chunk(family, first, want, monkeypatch):
+    monkeypatch.delenv(WEIGHT_GRAD_GEMM_ENV_VAR, raising=False)
+    assert gluon_weight_grad_rows(family, first=first) == want
+
+
+@pytest.mark.parametrize("value, want", [("cublas", 0), (" CUBLAS ", 0), ("auto", 512), ("", 512)])
+def test_the_setting_pins_cublas(value, want, monkeypatch):
+    monkeypatch.setenv(WEIGHT_GRAD_GEMM_ENV_VAR, value)
+    assert gluon_weight_grad_rows("H100", first=False) == want
+
+
+def test_a_bad_setting_names_the_variable(monkeypatch):
+    monkeypatch.setenv(WEIGHT_GRAD_GEMM_ENV_VAR, "gluon-always")
+    with pytest.raises(ValueError, match=f"{WEIGHT_GRAD_GEMM_ENV_VAR}='gluon-always': expected one of auto, cublas"):
+        gluon_weight_grad_rows("H100", first=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("first", [True, False])
+def test_the_driver_s_call_on_cpu_matches_fp32(first, dtype):
+    gen = torch.Generator().manual_seed(3)
+    g = torch.randn(48, 96, generator=gen).to(dtype)
+    x = torch.randn(48, 40, generator=gen).to(dtype)
+    old = torch.randn(96, 40, generator=gen).to(dtype)
+    want = g.double().t() @ x.double() + (0 if first else old.double())
+    out = old.clone()
+    accumulate_weight_grad(out, g, x, first=first)
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    assert torch.allclose(out.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+@pytest.mark.parametrize(
+    "grad_weight, g, x, match",
+    [
+        (torch.zeros(96, 40), torch.zeros(48, 96), torch.zeros(48, 40), "grad_weight must be a 2-D bf16 tensor"),
+        (torch.zeros(96, 40).bfloat16(), torch.zeros(48, 96).bfloat16().t(), torch.zeros(48, 40).bfloat16(),
+         "g needs contiguous, 16-byte aligned rows"),
+        (torch.zeros(96, 40).bfloat16(), torch.zeros(48, 96).bfloat16(), torch.zeros(48, 40).bfloat16(),
+         "all tensors must be on one CUDA device"),
+    ],
+)  # fmt: skip
+def test_the_kernel_refuses_what_it_cannot_take(grad_weight, g, x, match):
+    with pytest.raises(ValueError, match=match):
+        weight_grad_gemm(grad_weight, g, x, first=True)
