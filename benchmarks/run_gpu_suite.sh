@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU half of the project, in one script, for the GPU the device tool lends (H100 or H200):
-#   bash benchmarks/run_gpu_suite.sh [tests] [bench] [smallheads] [smallheads-busy] [compile] [hf] [sharded] [trained] [convergence] [overlap] [measured] [measured-first]
+#   bash benchmarks/run_gpu_suite.sh [tests] [bench] [smallheads] [smallheads-busy] [compile] [hf] [sharded] [trained] [convergence] [overlap] [weightgrad] [measured] [measured-first]
 #     [quick METHODS SHAPES...]
 # (smallheads: the small- and large-head shape sets against QuACK and Liger, and the accuracy table;
 # QuACK is installed by benchmarks/install_quack.sh from $QUACK_WHEELS (default .whl/quack/; its largest wheel
@@ -17,7 +17,8 @@
 # overlap: the logits rows at 256, 512, 1024 and 2048 rows with and without grad_weight's GEMM on a side stream
 # (Geometry.overlap_weight_grad), with bench --busy-start, interleaved, 7 repeats, at 8192x5376x262144 and
 # 32768x5376x262144, then tests/test_gpu_overlap_weight_grad.py, benchmarks/chunk_gemm_bound.py and profile_chunks.py;
-# measured: benchmarks/measured_policy.py's checks,
+# weightgrad: benchmarks/weight_grad_gemm_bench.py (grad_weight's GEMM per chunk and in the loss, Gluon against cuBLAS)
+# and tests/test_gpu_weight_grad_gemm.py; measured: benchmarks/measured_policy.py's checks,
 # the nine shapes and the first calls, with this GPU's rules removed; measured-first: the first calls alone)
 # Expects wheels in .whl/ (ours, built with `python -m build --wheel -o .whl`, plus the peers
 # liger-kernel and cut-cross-entropy, and pydantic's wheels where the machine lacks it: benchmarks/README.md); installs
@@ -129,6 +130,13 @@ while [ $# -gt 0 ]; do
       python3 -m flce_policy.benchmarks.chunk_gemm_bound 8192x5376x262144 256 512 1024 2048 --busy-start 2>&1 \
         | tee "$out/chunk_gemm_bound.log" || status=1
       python3 -m flce_policy.benchmarks.profile_chunks 8192x5376x262144 256 512 2048 2>&1 | tee "$out/profile_chunks.log" || status=1
+      shift ;;
+    weightgrad)
+      # grad_weight's per-chunk GEMM on cuBLAS and on the Gluon kernel, alone and in the loss at small chunks, then its tests
+      python3 -m flce_policy.benchmarks.weight_grad_gemm_bench --gemm 262144x5376 128256x4096 --rows 128 256 384 512 640 1024 \
+        --loss 8192x5376x262144 --chunks 256 512 1024 --repeats 7 2>&1 | tee "$out/weight_grad_gemm.log" || status=1
+      TRITON_INTERPRET=0 python3 -m pytest "$repo/tests/test_gpu_weight_grad_gemm.py" -m gpu -q -p no:cacheprovider 2>&1 \
+        | tee "$out/gpu_weight_grad_gemm_tests.log" || status=1
       shift ;;
     measured)
       # measured on this GPU standing for an unknown one (its rules removed), against its rule: the nine shapes after

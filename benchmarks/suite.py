@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .measure import Measurement, measure, peak_bytes, time_call, warm_up
+from .measure import Measurement, measure, peak_bytes, rotated, time_call, warm_up
 from .methods import Inputs, Method, Unavailable, make_inputs
 
 __all__ = [
@@ -185,10 +185,7 @@ def run_suite(
             if on_record is not None:
                 on_record(record)
         for round_index in range(repeats):  # interleaved rows only: the others are done
-            # each round starts one row later: no row always follows the same one (with a fixed order the default,
-            # always right after the floor, ran 0.7-1.4% behind its own geometry further on: H100, 2026-12-06)
-            first = round_index % len(attempts) if attempts else 0
-            for attempt in attempts[first:] + attempts[:first]:
+            for attempt in rotated(attempts, round_index):  # each round starts one row later
                 attempt.run(lambda a: a.timed(time_call(a.step, busy_start=busy_start)))
         for attempt in attempts:
             attempt.run(lambda a: a.measured(Measurement(a.record.times_ms, peak_bytes(a.step))))
