@@ -7,7 +7,8 @@ work, but its main loop (128x128 tiles) runs slower than cuBLAS's once n grows. 
 H100 80GB HBM3 against cuBLAS: 0.77x at 128 rows, 0.74-0.81x at 256, 0.79x at 384, 0.96-0.98x at 512, 1.15x at
 640, 1.39-1.42x at 1024 (V x H = 262144 x 5376; 0.74-0.96x from 128 to 512 rows and 1.16x at 640 at 128256 x 4096).
 The first chunk, with nothing to read, stays on cuBLAS (0.86-1.19x either way up to 512 rows). The chunk's geometry
-is the same either way: this picks an implementation of one GEMM, not the rows or the memory.
+is the same either way: this picks an implementation of one GEMM, not the rows or the memory. Raw output:
+results/2026-12-05-h100/README.md (``weight_grad_gemm_bench``).
 
 ``FLCE_POLICY_WEIGHT_GRAD_GEMM=cublas`` keeps every chunk on cuBLAS (``auto``, the default: this rule).
 """
