@@ -1,13 +1,22 @@
-"""Where grad_weight's GEMM runs on the Gluon kernel (flce_policy.plan.weight_grad_gemm), and the driver's one call
-for it on CPU, against plain torch in fp32."""
+"""Where grad_weight's GEMM runs on the Gluon kernel (flce_policy.plan.weight_grad_gemm), what explain says of it,
+and the driver's one call for it on CPU, against plain torch in fp32."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from flce_policy import FLCEPolicy
 from flce_policy.kernels.weight_grad_gemm import accumulate_weight_grad, weight_grad_gemm
-from flce_policy.plan.weight_grad_gemm import WEIGHT_GRAD_GEMM_ENV_VAR, gluon_weight_grad_rows
+from flce_policy.plan.device import DeviceInfo
+from flce_policy.plan.geometry import Geometry
+from flce_policy.plan.problem import Problem
+from flce_policy.plan.weight_grad_gemm import (
+    WEIGHT_GRAD_GEMM_ENV_VAR,
+    gluon_weight_grad_rows,
+    planned_weight_grad_gemm,
+)
+from flce_policy.strategies import FixedChunkSize
 
 
 @pytest.mark.parametrize("family, first, want", [("H100", False, 512), ("H100", True, 0), ("H200", False, 0),
@@ -56,3 +65,44 @@ def test_the_driver_s_call_on_cpu_matches_fp32(first, dtype):
 def test_the_kernel_refuses_what_it_cannot_take(grad_weight, g, x, match):
     with pytest.raises(ValueError, match=match):
         weight_grad_gemm(grad_weight, g, x, first=True)
+
+
+def _geometry(rows: int, **options) -> Geometry:
+    return Geometry.for_problem(Problem(8192, 5376, 262144, "bfloat16"), rows, **options)
+
+
+@pytest.mark.parametrize(
+    "geometry, family, master, want",
+    [
+        (_geometry(256), "H100", None, "gluon"),
+        (_geometry(512), "H100", None, "gluon"),
+        (_geometry(1024), "H100", None, "cublas"),  # past the rule's rows
+        (_geometry(256), "H200", None, "cublas"),  # not measured there
+        (_geometry(8192), "H100", None, "cublas"),  # one chunk: the first chunk's GEMM only
+        (_geometry(256, accum_dtype="float32"), "H100", None, "cublas"),  # an fp32 accumulator
+        (_geometry(256), "H100", "float32", "cublas"),  # an fp32 master weight's gradient
+        (_geometry(256).with_filter(2**-13), "H100", None, "cublas"),  # the filter's own kernel
+    ],
+)
+def test_the_planned_gemm(geometry, family, master, want, monkeypatch):
+    monkeypatch.delenv(WEIGHT_GRAD_GEMM_ENV_VAR, raising=False)
+    assert planned_weight_grad_gemm(geometry, family, master) == want
+
+
+def test_the_planned_gemm_of_vocab_tiles_and_fp32_problems_is_cublas(monkeypatch):
+    monkeypatch.delenv(WEIGHT_GRAD_GEMM_ENV_VAR, raising=False)
+    tiled = Geometry.for_problem(Problem(8192, 5376, 262144, "bfloat16"), 256, vocab_chunk=65536)
+    fp32 = Geometry.for_problem(Problem(8192, 5376, 262144, "float32"), 256)
+    assert planned_weight_grad_gemm(tiled, "H100") == planned_weight_grad_gemm(fp32, "H100") == "cublas"
+
+
+@pytest.mark.parametrize("rows, said", [(256, True), (1024, False)])
+def test_explain_says_where_the_gluon_kernel_runs(rows, said, monkeypatch):
+    monkeypatch.delenv(WEIGHT_GRAD_GEMM_ENV_VAR, raising=False)
+    device = DeviceInfo(
+        name="NVIDIA H100 80GB HBM3", family="H100", total_memory_bytes=80 * 2**30, compute_capability=(9, 0),
+        source="override",
+    )  # fmt: skip
+    text = FLCEPolicy(default=FixedChunkSize(rows)).explain(Problem(8192, 5376, 262144, "bfloat16"), device)
+    w_grad = next(line for line in text.splitlines() if line.startswith("W grad:"))
+    assert ("on the Gluon kernel" in w_grad) == said

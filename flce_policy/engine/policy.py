@@ -42,6 +42,7 @@ from flce_policy.plan.weight_filter import (
     checked_filter_eps,
     checked_filter_rescue,
 )
+from flce_policy.plan.weight_grad_gemm import planned_weight_grad_gemm
 from flce_policy.strategies import ChunkStrategy, HeuristicC
 
 __all__ = ["CONFIG_ENV_VAR", "DEFAULT_RULE", "DeviceRule", "FLCEPolicy"]
@@ -502,6 +503,7 @@ class FLCEPolicy:
             "master_dtype": master_dtype,
             "rates": {"matmul_flops": rates.matmul_flops, "hbm_bytes_per_s": rates.hbm_bytes_per_s},
             "weight_grad_low_precision_steps": weight_grad_steps,
+            "weight_grad_gemm": planned_weight_grad_gemm(geometry, device.family, master_dtype),
             "summary": geometry.describe(),
             "dynamic": strategy.dynamic,
             "oom_fallback": self.oom_fallback,
@@ -579,7 +581,7 @@ class FLCEPolicy:
                 if problem.tp_size > 1
                 else []
             ),
-            ("W grad", _accumulation_note(d["weight_grad_low_precision_steps"])),
+            ("W grad", _accumulation_note(d["weight_grad_low_precision_steps"]) + _gemm_note(d["weight_grad_gemm"])),
             ("W filter", _filter_note(d)),
             ("On OOM", oom),
         ]
@@ -711,6 +713,12 @@ def _collectives_note(tp: dict[str, Any], tp_size: int) -> str:
         f"{tp['count']} per call over the TP group of {tp_size}, {format_bytes(tp['bytes'])} per rank "
         f"([chunk] vectors, grad_input once), {tp['predicted_ms']:.2f} ms of the time (assumed link rates)"
     )
+
+
+def _gemm_note(weight_grad_gemm: str) -> str:
+    if weight_grad_gemm == "cublas":
+        return ""
+    return "; chunks after the first update it on the Gluon kernel that reads it while the GEMM runs"
 
 
 def _accumulation_note(steps: int) -> str:

@@ -16,12 +16,17 @@ results/2026-12-05-h100/README.md (``weight_grad_gemm_bench``).
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the annotation only: geometry imports nothing of this module either
+    from flce_policy.plan.geometry import Geometry
 
 __all__ = [
     "GLUON_WEIGHT_GRAD_FAMILIES",
     "GLUON_WEIGHT_GRAD_MAX_ROWS",
     "WEIGHT_GRAD_GEMM_ENV_VAR",
     "gluon_weight_grad_rows",
+    "planned_weight_grad_gemm",
     "weight_grad_gemm_setting",
 ]
 
@@ -49,3 +54,18 @@ def gluon_weight_grad_rows(family: str, *, first: bool) -> int:
     if first or family not in GLUON_WEIGHT_GRAD_FAMILIES or weight_grad_gemm_setting() == "cublas":
         return 0
     return GLUON_WEIGHT_GRAD_MAX_ROWS
+
+
+def planned_weight_grad_gemm(geometry: Geometry, family: str, master_dtype: str | None = None) -> str:
+    """ "gluon" where a call of ``geometry`` on a GPU of ``family`` runs its chunks after the first on the Gluon kernel
+    (row chunks, a bf16 gradient accumulated in bf16, no grad_weight filter, rows within the rule; Triton's Gluon
+    present at run time), else "cublas"; ``master_dtype`` as :meth:`Geometry.accumulator_dtype` takes it."""
+    runs = (
+        geometry.is_row_only
+        and geometry.num_chunks > 1
+        and geometry.grad_weight_filter is None
+        and geometry.problem.dtype == "bfloat16"
+        and geometry.accumulator_dtype(None, master_dtype) == "bfloat16"
+        and geometry.chunk_size <= gluon_weight_grad_rows(family, first=False)
+    )
+    return "gluon" if runs else "cublas"
