@@ -57,9 +57,10 @@ def gluon_weight_grad_rows(family: str, *, first: bool) -> int:
 
 
 def planned_weight_grad_gemm(geometry: Geometry, family: str, master_dtype: str | None = None) -> str:
-    """ "gluon" where a call of ``geometry`` on a GPU of ``family`` runs its chunks after the first on the Gluon kernel
-    (row chunks, a bf16 gradient accumulated in bf16, no grad_weight filter, rows within the rule; Triton's Gluon
-    present at run time), else "cublas"; ``master_dtype`` as :meth:`Geometry.accumulator_dtype` takes it."""
+    """Which GEMM a call of ``geometry`` on a GPU of ``family`` runs its chunks after the first on: "gluon" (row chunks,
+    a bf16 gradient accumulated in bf16, rows within the rule; Triton's Gluon present at run time), else "cublas";
+    ``master_dtype`` as :meth:`Geometry.accumulator_dtype` takes it. With a grad_weight filter "cublas": its chunks
+    run the filter's kernel (those a policy's rest runs dense take this rule)."""
     runs = (
         geometry.is_row_only
         and geometry.num_chunks > 1
