@@ -14,7 +14,11 @@ from flce_policy import fused_linear_cross_entropy
 from flce_policy.kernels import weight_grad_gemm as module
 from flce_policy.kernels.gluon_exp_gemm import gluon_available
 from flce_policy.plan.device import family_from_name
-from flce_policy.plan.weight_grad_gemm import GLUON_WEIGHT_GRAD_FAMILIES, WEIGHT_GRAD_GEMM_ENV_VAR
+from flce_policy.plan.weight_grad_gemm import (
+    GLUON_WEIGHT_GRAD_FAMILIES,
+    GLUON_WEIGHT_GRAD_MAX_ROWS,
+    WEIGHT_GRAD_GEMM_ENV_VAR,
+)
 from flce_policy.strategies import FixedChunkSize
 
 pytestmark = [
@@ -57,8 +61,8 @@ def test_bad_tensors_get_a_clear_error():
         module.weight_grad_gemm(torch.zeros(1020, 128, device="cuda", dtype=torch.bfloat16), g[:, :1020], x, first=True)
 
 
-@pytest.mark.parametrize("rows, first, setting", [(256, True, "auto"), (512, False, "auto"), (513, False, "auto"),
-                                                  (512, True, "auto"), (256, False, "cublas")])  # fmt: skip
+@pytest.mark.parametrize("rows, first, setting", [(256, True, "auto"), (384, False, "auto"), (385, False, "auto"),
+                                                  (384, True, "auto"), (256, False, "cublas")])  # fmt: skip
 def test_the_driver_runs_it_at_the_rule_s_rows_only(rows, first, setting, monkeypatch):
     monkeypatch.setenv(WEIGHT_GRAD_GEMM_ENV_VAR, setting)
     launched = []
@@ -69,7 +73,7 @@ def test_the_driver_runs_it_at_the_rule_s_rows_only(rows, first, setting, monkey
     out = torch.randn(2048, 256, device="cuda").bfloat16()
     want = g.float().t() @ x.float() + (0 if first else out.float())
     module.accumulate_weight_grad(out, g, x, first=first)
-    limit = 512 if setting == "auto" and not first and _measured_gpu() else 0
+    limit = GLUON_WEIGHT_GRAD_MAX_ROWS if setting == "auto" and not first and _measured_gpu() else 0
     assert bool(launched) == (rows <= limit)
     assert rel_l2(out, want) < 4e-3
 

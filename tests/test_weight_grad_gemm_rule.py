@@ -19,14 +19,14 @@ from flce_policy.plan.weight_grad_gemm import (
 from flce_policy.strategies import FixedChunkSize
 
 
-@pytest.mark.parametrize("family, first, want", [("H100", False, 512), ("H100", True, 0), ("H200", False, 0),
+@pytest.mark.parametrize("family, first, want", [("H100", False, 384), ("H100", True, 0), ("H200", False, 0),
                                                  ("A100", True, 0), ("unknown", False, 0)])  # fmt: skip
 def test_rows_by_gpu_and_chunk(family, first, want, monkeypatch):
     monkeypatch.delenv(WEIGHT_GRAD_GEMM_ENV_VAR, raising=False)
     assert gluon_weight_grad_rows(family, first=first) == want
 
 
-@pytest.mark.parametrize("value, want", [("cublas", 0), (" CUBLAS ", 0), ("auto", 512), ("", 512)])
+@pytest.mark.parametrize("value, want", [("cublas", 0), (" CUBLAS ", 0), ("auto", 384), ("", 384)])
 def test_the_setting_pins_cublas(value, want, monkeypatch):
     monkeypatch.setenv(WEIGHT_GRAD_GEMM_ENV_VAR, value)
     assert gluon_weight_grad_rows("H100", first=False) == want
@@ -75,8 +75,8 @@ def _geometry(rows: int, **options) -> Geometry:
     "geometry, family, master, want",
     [
         (_geometry(256), "H100", None, "gluon"),
-        (_geometry(512), "H100", None, "gluon"),
-        (_geometry(1024), "H100", None, "cublas"),  # past the rule's rows
+        (_geometry(384), "H100", None, "gluon"),
+        (_geometry(512), "H100", None, "cublas"),  # past the rule's rows
         (_geometry(256), "H200", None, "cublas"),  # not measured there
         (_geometry(8192), "H100", None, "cublas"),  # one chunk: the first chunk's GEMM only
         (_geometry(256, accum_dtype="float32"), "H100", None, "cublas"),  # an fp32 accumulator

@@ -6,6 +6,8 @@ Gluon kernel (:mod:`flce_policy.kernels.weight_grad_gemm`) fetches each block of
 work, but its main loop (128x128 tiles) runs slower than cuBLAS's once n grows. Per chunk after the first, on an
 H100 80GB HBM3 against cuBLAS: 0.77x at 128 rows, 0.74-0.81x at 256, 0.79x at 384, 0.96-0.98x at 512, 1.15x at
 640, 1.39-1.42x at 1024 (V x H = 262144 x 5376; 0.74-0.96x from 128 to 512 rows and 1.16x at 640 at 128256 x 4096).
+In the loss it pays up to 384 rows (8-13% faster at 384-row chunks of 8192x5376x262144 and 32768x4096x128256); at 512
+its gain per chunk is lost (-1.0% to +1.4% against cuBLAS in four runs): the rule stops at 384.
 The first chunk, with nothing to read, stays on cuBLAS (0.86-1.19x either way up to 512 rows). The chunk's geometry
 is the same either way: this picks an implementation of one GEMM, not the rows or the memory. Raw output:
 results/2026-12-05-h100/README.md (``weight_grad_gemm_bench``).
@@ -33,7 +35,7 @@ __all__ = [
 #: The GPU families the Gluon kernel was measured on (others keep cuBLAS until measured).
 GLUON_WEIGHT_GRAD_FAMILIES = frozenset({"H100"})
 #: The most rows a chunk after the first may have for its grad_weight to run on the Gluon kernel.
-GLUON_WEIGHT_GRAD_MAX_ROWS = 512
+GLUON_WEIGHT_GRAD_MAX_ROWS = 384
 #: The environment variable that pins grad_weight's GEMM: "auto" (this rule) or "cublas".
 WEIGHT_GRAD_GEMM_ENV_VAR = "FLCE_POLICY_WEIGHT_GRAD_GEMM"
 _SETTINGS = ("auto", "cublas")
