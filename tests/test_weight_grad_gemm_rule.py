@@ -106,3 +106,32 @@ def test_explain_says_where_the_gluon_kernel_runs(rows, said, monkeypatch):
     text = FLCEPolicy(default=FixedChunkSize(rows)).explain(Problem(8192, 5376, 262144, "bfloat16"), device)
     w_grad = next(line for line in text.splitlines() if line.startswith("W grad:"))
     assert ("on the Gluon kernel" in w_grad) == said
+
+
+@pytest.mark.parametrize(
+    "rows, first, dtype, setting, launched",
+    [
+        (384, False, torch.bfloat16, "auto", True),
+        (1, False, torch.bfloat16, "auto", True),
+        (385, False, torch.bfloat16, "auto", False),  # past the rule's rows
+        (384, True, torch.bfloat16, "auto", False),  # the first chunk
+        (384, False, torch.float32, "auto", False),  # not bf16
+        (384, False, torch.bfloat16, "cublas", False),  # pinned
+    ],
+)
+def test_the_driver_s_call_routes_by_the_rule(rows, first, dtype, setting, launched, monkeypatch):
+    """On a GPU the rule names (a stand-in here: the kernel's launch recorded, not run), the Gluon kernel only where
+    the rule and the tensors allow; cuBLAS's path otherwise, with the product written."""
+    from flce_policy.kernels import weight_grad_gemm as module
+
+    monkeypatch.setenv(WEIGHT_GRAD_GEMM_ENV_VAR, setting)
+    monkeypatch.setattr(module, "_gluon_family", lambda device: "H100")
+    calls = []
+    monkeypatch.setattr(module, "launch_weight_grad_gemm", lambda *args, **kwargs: calls.append(args))
+    g, x = torch.ones(rows, 16, dtype=dtype), torch.ones(rows, 8, dtype=dtype)
+    out = torch.zeros(16, 8, dtype=dtype)
+    module.accumulate_weight_grad(out, g, x, first=first)
+    assert bool(calls) == launched
+    if not launched:
+        want = torch.full((16, 8), float(rows), dtype=torch.float64)
+        torch.testing.assert_close(out.double(), want, rtol=2**-8, atol=0)  # bf16 holds 385 as 384
