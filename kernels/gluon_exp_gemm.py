@@ -14,7 +14,8 @@ Triton GEMM took 1.06-1.24x (triton_partials_layout_probe.log there); in the los
 form at five small heads (heads.log there).
 
 Gluon is experimental and its names move between Triton releases: without it (or without its Hopper API)
-this module still imports, :func:`gluon_available` says False and :func:`row_scaled_exp_gemm` raises.
+this module still imports, :func:`gluon_available` says False and :func:`row_scaled_exp_gemm` raises. Its Gluon
+imports (under the names this Triton gives them) and :func:`sm_count` serve :mod:`.weight_grad_gemm` too.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ try:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     # Triton 3.6 names the TMA copies async_copy_*; later releases async_load / async_store (the old names raise)
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     _GLUON_ERROR: Exception | None = None
 except (ImportError, AttributeError) as exc:  # a Triton without Gluon's Hopper API
     _GLUON_ERROR = exc
@@ -85,8 +86,8 @@ if _GLUON_ERROR is None:
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)  # the stage's previous use released
                 mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-                _tma_load(x_desc, [pid_m * BLOCK_M, kk * BLOCK_K], ready.index(s), a_bufs.index(s))
-                _tma_load(w_desc, [pid_n * BLOCK_N, kk * BLOCK_K], ready.index(s), b_bufs.index(s))
+                tma_load(x_desc, [pid_m * BLOCK_M, kk * BLOCK_K], ready.index(s), a_bufs.index(s))
+                tma_load(w_desc, [pid_n * BLOCK_N, kk * BLOCK_K], ready.index(s), b_bufs.index(s))
                 it += 1
 
     @gluon.jit
@@ -162,7 +163,7 @@ if _GLUON_ERROR is None:
             tma.store_wait(pendings=0)  # our previous TMA store has read this buffer (the other has its own)
             c_smem.store(stored)
             fence_async_shared()
-            _tma_store(out_desc, [off_m, off_n], c_smem)  # clipped at n rows and V columns
+            tma_store(out_desc, [off_m, off_n], c_smem)  # clipped at n rows and V columns
             j += 1
         tma.store_wait(pendings=0)
 
@@ -212,7 +213,7 @@ if _GLUON_ERROR is None:
 
 
 @functools.cache
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -298,7 +299,7 @@ def launch_row_scaled_exp_gemm(
     w_desc = TensorDescriptor.from_tensor(weight, [WS_TILE, block_k], w_layout)
     o_desc = TensorDescriptor.from_tensor(slab, [WS_TILE, WS_TILE], o_layout)
     tiles = -(-n // WS_TILE) * -(-n_cols // WS_TILE)
-    _row_scaled_exp_kernel[(min(_sm_count(x_chunk.device), tiles),)](
+    _row_scaled_exp_kernel[(min(sm_count(x_chunk.device), tiles),)](
         x_desc, w_desc, o_desc, row_shift, sums, maxima, redo, n, n_cols, hidden, slot_stride,
         STAGES=stages, GROUP_M=group_m, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
         EVEN_N=n_cols % WS_TILE == 0, HAS_MAXIMA=maxima is not None, num_warps=4,

@@ -26,7 +26,7 @@ from flce_policy.plan.device import family_from_name
 from flce_policy.plan.weight_grad_gemm import gluon_weight_grad_rows
 
 from .gemm import accumulate_mm
-from .gluon_exp_gemm import gluon_available
+from .gluon_exp_gemm import gluon_available, sm_count
 from .interpreter import KERNELS_INTERPRETED
 from .tma import tma_tensors
 
@@ -39,19 +39,18 @@ _TILE, _BLOCK_K = 128, 64
 _LAUNCH = (4, 232, 40)
 
 if gluon_available():
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
+    from .gluon_exp_gemm import (
+        TensorDescriptor,
         fence_async_shared,
+        gl,
+        gluon,
         mbarrier,
         tma,
+        tma_load,
+        tma_store,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
     @gluon.jit
     def _producer(g_desc, x_desc, out_desc, a_bufs, b_bufs, c_bufs, ready, empty, c_ready, c_empty, n_vocab,
@@ -71,8 +70,8 @@ if gluon_available():
                 s = it % STAGES
                 mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
                 mbarrier.expect(ready.index(s), g_desc.block_type.nbytes + x_desc.block_type.nbytes)
-                _tma_load(g_desc, [kk * BLOCK_K, off_m], ready.index(s), a_bufs.index(s))
-                _tma_load(x_desc, [kk * BLOCK_K, off_n], ready.index(s), b_bufs.index(s))
+                tma_load(g_desc, [kk * BLOCK_K, off_m], ready.index(s), a_bufs.index(s))
+                tma_load(x_desc, [kk * BLOCK_K, off_n], ready.index(s), b_bufs.index(s))
                 it += 1
             if LOAD_C:
                 # after the tile's operands: the consumer has freed this buffer (its store two tiles back is done)
@@ -80,7 +79,7 @@ if gluon_available():
                 w = j % 2
                 mbarrier.wait(c_empty.index(w), ((j // 2) & 1) ^ 1)
                 mbarrier.expect(c_ready.index(w), out_desc.block_type.nbytes)
-                _tma_load(out_desc, [off_m, off_n], c_ready.index(w), c_bufs.index(w))
+                tma_load(out_desc, [off_m, off_n], c_ready.index(w), c_bufs.index(w))
             j += 1
 
     @gluon.jit
@@ -128,7 +127,7 @@ if gluon_available():
             # each thread writes back the elements it read: no other thread's read is overtaken
             c_smem.store(acc.to(out_desc.dtype))
             fence_async_shared()
-            _tma_store(out_desc, [off_m, off_n], c_smem)  # clipped at V rows and H columns
+            tma_store(out_desc, [off_m, off_n], c_smem)  # clipped at V rows and H columns
             n += 1
         tma.store_wait(pendings=0)
 
@@ -176,11 +175,6 @@ if gluon_available():
             gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)
             for box in ([_BLOCK_K, _TILE], [_BLOCK_K, _TILE], [_TILE, _TILE])
         )
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.cache
@@ -261,7 +255,7 @@ def launch_weight_grad_gemm(grad_weight: torch.Tensor, g: torch.Tensor, x: torch
     x_desc = TensorDescriptor.from_tensor(x, [_BLOCK_K, _TILE], x_layout)
     c_desc = TensorDescriptor.from_tensor(grad_weight, [_TILE, _TILE], c_layout)
     tiles = -(-vocab // _TILE) * -(-hidden // _TILE)
-    _weight_grad_kernel[(min(_sm_count(g.device), tiles),)](
+    _weight_grad_kernel[(min(sm_count(g.device), tiles),)](
         g_desc, x_desc, c_desc, vocab, hidden, n, STAGES=stages, CONSUMER_REGS=consumer_regs,
         PRODUCER_REGS=producer_regs, LOAD_C=not first, num_warps=4,
     )  # fmt: skip
