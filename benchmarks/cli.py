@@ -28,7 +28,7 @@ DEFAULT_LOGIT_STD = 4.0
 DEFAULT_REPEATS = 5
 DEFAULT_WARMUP = 2
 MIN_REPEATS = 5  # a median of fewer is too noisy to hold a 1.08x target to
-_GPU_ONLY = ("shapes", "methods", "logit_std", "repeats", "warmup", "inputs", "busy_start", "interleave")
+_GPU_ONLY = ("shapes", "methods", "logit_std", "repeats", "warmup", "inputs", "busy_start", "interleave", "sustained")
 
 
 class UsageError(Exception):
@@ -107,6 +107,14 @@ def build_parser(prog: str) -> Parser:
         default=None,
         help="time a shape's rows in rounds, one call of each per round (default: each row's calls back to back), "
         "so a drift of the GPU's clocks over the shape reaches every row alike; holds all of a shape's rows at once",
+    )
+    parser.add_argument(
+        "--sustained",
+        type=positive_float,
+        metavar="SECONDS",
+        help="each timed sample is the mean call over SECONDS of calls back to back, the GPU never idle, as in a "
+        "training loop (at the card's sustained clock, which a power limit may hold below its boost clock); "
+        "--repeats samples per row (default: each sample is one call)",
     )
     parser.add_argument("--out", metavar="DIR", help="output folder (default results/<date>-<gpu>)")
     parser.add_argument("--json", action="store_true", help="print the JSON document on stdout instead of the table")
@@ -212,6 +220,8 @@ def run(args: argparse.Namespace) -> int:
         if given:
             raise UsageError(f"--from-json re-renders a saved run; {', '.join(given)} only apply to a new run")
         return _rerender(Path(args.from_json), args)
+    if args.sustained is not None and args.busy_start:
+        raise UsageError("--sustained keeps the GPU busy itself: give --busy-start or --sustained, not both")
     if args.inputs not in (None, RANDOM_INPUTS):
         if args.inputs != TRAINED_INPUTS and not Path(args.inputs).is_file():
             raise UsageError(
@@ -277,6 +287,7 @@ def _measure(args: argparse.Namespace) -> int:
             repeats=metadata["repeats"],
             busy_start=metadata["busy_start"],
             interleave=metadata["interleave"],
+            sustained_s=metadata["sustained"],
             predict_peak=lambda method, shape: predicted_peak(method, shape, device),
             predict_time=lambda method, shape: predicted_time(method, shape, device),
             vocab_chunk=lambda method, shape: planned_vocab_chunk(method, shape, device),
@@ -386,6 +397,8 @@ def _show(records: Any, metadata: dict[str, Any], *, as_json: bool) -> None:
         title += " | busy start"
     if metadata.get("interleave"):
         title += " | interleaved"
+    if metadata.get("sustained"):
+        title += f" | sustained {metadata['sustained']:g} s"
     render_table(records, console, title=title)
     render_checks(checks, console)
 
@@ -415,6 +428,7 @@ def _metadata(device: Any, policy: Any, shapes: list, methods: list, args: argpa
         "repeats": args.repeats if args.repeats is not None else DEFAULT_REPEATS,
         "busy_start": bool(args.busy_start),
         "interleave": bool(args.interleave),
+        "sustained": args.sustained,
         "shapes": [format_shape(s) for s in shapes],
         "methods": [m.name for m in methods],
         "complete": False,

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from .measure import back_to_back_ms
 from .methods import Inputs, make_inputs
 from .profile_chunks import kernel_times, wall_and_host_ms
 from .suite import parse_shape
@@ -53,15 +54,9 @@ ROUNDS = 5  # every form is measured once per round, the rounds interleaved: dri
 
 
 def pipelined_ms(step: Step, steps: int) -> float:
-    """Mean time of ``steps`` steps issued back to back (the host free to run ahead), in ms."""
+    """Mean time of ``steps`` steps issued back to back from an idle GPU (the host free to run ahead), in ms."""
     torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        step()
-    stop.record()
-    stop.synchronize()
-    return start.elapsed_time(stop) / steps
+    return back_to_back_ms(step, steps)
 
 
 def times_ms(forms: dict[str, Step], pipelined: int = 20) -> dict[str, dict[str, Any]]:

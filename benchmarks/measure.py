@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -9,7 +10,10 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["Measurement", "measure", "peak_bytes", "rotated", "time_call", "warm_up"]
+__all__ = [
+    "Measurement", "back_to_back_ms", "measure", "peak_bytes", "rotated", "sustained_calls", "time_call",
+    "time_sample", "time_sustained", "warm_up",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -27,18 +31,25 @@ class Measurement:
 BUSY_START_CYCLES = 20_000_000
 
 
-def measure(step: Callable[[], None], *, warmup: int = 2, repeats: int = 5, busy_start: bool = False) -> Measurement:
-    """Time ``step`` with CUDA events (median of ``repeats`` after ``warmup``), then its peak memory.
+def measure(
+    step: Callable[[], None],
+    *,
+    warmup: int = 2,
+    repeats: int = 5,
+    busy_start: bool = False,
+    sustained_s: float | None = None,
+) -> Measurement:
+    """Time ``step`` with CUDA events (median of ``repeats`` samples after ``warmup``), then its peak memory.
 
     ``step`` must leave nothing allocated behind it (it drops its outputs and gradients), so
     every call starts from the same allocation. Each timed call starts on an idle GPU (the host's time before
     its first kernel counts, and a ramp from idle clocks that every method pays: 2.4-2.8 ms at the small heads
     on the H200, results/2026-12-02-h200-rows); with ``busy_start`` the GPU runs a sleep kernel while the host
     issues and the start event follows it, as inside a training step, where the loss's kernels queue behind
-    the model's.
+    the model's. With ``sustained_s`` each sample is :func:`time_sustained`'s instead of one call's.
     """
     warm_up(step, warmup)
-    times = tuple(time_call(step, busy_start=busy_start) for _ in range(repeats))
+    times = tuple(time_sample(step, busy_start=busy_start, sustained_s=sustained_s) for _ in range(repeats))
     return Measurement(times, peak_bytes(step))
 
 
@@ -59,6 +70,52 @@ def time_call(step: Callable[[], None], *, busy_start: bool = False) -> float:
     stop.record()
     stop.synchronize()
     return start.elapsed_time(stop)
+
+
+def time_sample(step: Callable[[], None], *, busy_start: bool = False, sustained_s: float | None = None) -> float:
+    """One timed sample of ``step`` in milliseconds per call: :func:`time_sustained` with ``sustained_s``, else
+    :func:`time_call`."""
+    if sustained_s is not None:
+        return time_sustained(step, sustained_s)
+    return time_call(step, busy_start=busy_start)
+
+
+#: Untimed calls before a sustained window, as a fraction of its calls: the clocks leave the previous row's load for
+#: this row's before the window starts.
+SUSTAINED_LEAD_IN = 0.25
+
+
+def sustained_calls(seconds: float, call_ms: float) -> int:
+    """Calls of ``call_ms`` each that fill ``seconds`` (at least one)."""
+    if seconds <= 0 or call_ms <= 0:
+        raise ValueError(f"sustained_calls needs a positive window and call time, got {seconds} s, {call_ms} ms")
+    return max(1, math.ceil(seconds * 1e3 / call_ms))
+
+
+def time_sustained(step: Callable[[], None], seconds: float) -> float:
+    """Mean milliseconds per call of ``step`` over about ``seconds`` of calls issued back to back (the GPU never idle).
+
+    A training loop keeps the GPU busy; under sustained load a card may run at its power limit, its SM clock
+    below the boost clock that a call started after idle time gets (H100 80GB HBM3, 2026-12-06: ~1.4 GHz at 700 W
+    in small-head fwd+bwd back to back, against 1.98 GHz peak). One busy-started call sizes the window; a quarter of
+    its calls more run first, untimed, while the clocks settle to this load.
+    """
+    calls = sustained_calls(seconds, time_call(step, busy_start=True))
+    for _ in range(math.ceil(calls * SUSTAINED_LEAD_IN)):
+        step()
+    return back_to_back_ms(step, calls)
+
+
+def back_to_back_ms(step: Callable[[], None], calls: int) -> float:
+    """Mean milliseconds of ``calls`` calls of ``step`` issued back to back behind whatever is queued (the host
+    free to run ahead; no synchronisation before the first)."""
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        step()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) / calls
 
 
 def peak_bytes(step: Callable[[], None]) -> int:

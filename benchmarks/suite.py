@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .measure import Measurement, measure, peak_bytes, rotated, time_call, warm_up
+from .measure import Measurement, measure, peak_bytes, rotated, time_sample, warm_up
 from .methods import Inputs, Method, Unavailable, make_inputs
 
 __all__ = [
@@ -152,6 +152,7 @@ def run_suite(
     inputs_for: Callable[[Shape], Inputs] | None = None,
     busy_start: bool = False,
     interleave: bool = False,
+    sustained_s: float | None = None,
 ) -> list[Record]:
     """Measure every method at every shape; a method that cannot run gets a record saying why.
 
@@ -163,8 +164,10 @@ def run_suite(
     methods are built and warmed together, then timed in rounds, one call of each per round, each round starting
     one row later than the last, so a drift of the GPU's clocks or temperature over the shape's rows, or the row
     before, reaches every row alike (their steps are held at once: the floor's two ``[BT, V]`` buffers beside the
-    others); peaks are taken after the rounds, one row at a time.
+    others); peaks are taken after the rounds, one row at a time. ``sustained_s``: each sample is the mean call of
+    that many seconds of calls back to back (:func:`.measure.time_sustained`), not one call.
     """
+    timing = dict(busy_start=busy_start, sustained_s=sustained_s)
     records: list[Record] = []
     for shape in shapes:
         inputs = make_inputs(*shape, logit_std=logit_std) if inputs_for is None else inputs_for(shape)
@@ -179,14 +182,14 @@ def run_suite(
                 attempt.run(lambda a: warm_up(a.ready(), warmup))
                 attempts.append(attempt)
                 continue
-            attempt.run(lambda a: a.measured(measure(a.ready(), warmup=warmup, repeats=repeats, busy_start=busy_start)))
+            attempt.run(lambda a: a.measured(measure(a.ready(), warmup=warmup, repeats=repeats, **timing)))
             attempt.close()
             records.append(record)
             if on_record is not None:
                 on_record(record)
         for round_index in range(repeats):  # interleaved rows only: the others are done
             for attempt in rotated(attempts, round_index):  # each round starts one row later
-                attempt.run(lambda a: a.timed(time_call(a.step, busy_start=busy_start)))
+                attempt.run(lambda a: a.timed(time_sample(a.step, **timing)))
         for attempt in attempts:
             attempt.run(lambda a: a.measured(Measurement(a.record.times_ms, peak_bytes(a.step))))
             attempt.close()

@@ -389,6 +389,9 @@ def test_from_json_to_another_folder_as_json(tmp_path, capsys):
         (["--from-json", "{json}", "--shapes", "1x2x3"], "--shapes only apply to a new run"),
         (["--from-json", "{json}", "--busy-start"], "--busy-start only apply to a new run"),
         (["--from-json", "{json}", "--interleave"], "--interleave only apply to a new run"),
+        (["--from-json", "{json}", "--sustained", "2"], "--sustained only apply to a new run"),
+        (["--sustained", "0"], "expected a positive number, got '0'"),
+        (["--sustained", "2", "--busy-start"], "give --busy-start or --sustained, not both"),
         (["--from-json", "{tmp}/missing.json"], "missing.json: no such file"),
         (["--shapes", "8192x5376"], "three positive integers"),
         (["--repeats", "3"], "expected an integer >= 5, got 3"),
@@ -591,7 +594,11 @@ def test_targets_report_constants():
 # --- the GPU path's glue, with the suite stubbed -----------------------------------------------------
 
 
-def test_gpu_run_glue_with_a_stubbed_suite(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize(
+    "timing, busy_start, sustained, title",
+    [(["--busy-start"], True, None, "| busy start"), (["--sustained", "1.5"], False, 1.5, "| sustained 1.5 s")],
+)
+def test_gpu_run_glue_with_a_stubbed_suite(tmp_path, capsys, monkeypatch, timing, busy_start, sustained, title):
     """Options reach run_suite; predictions come from the probed device; JSON, CSV, PNG and table come out."""
     from flce_policy.benchmarks import suite
     from flce_policy.engine import probe
@@ -599,11 +606,11 @@ def test_gpu_run_glue_with_a_stubbed_suite(tmp_path, capsys, monkeypatch):
     seen = {}
 
     def fake_run_suite(
-        shapes, methods, *, logit_std, warmup, repeats, busy_start, interleave, predict_peak, predict_time, vocab_chunk,
-        on_start, on_record,
+        shapes, methods, *, logit_std, warmup, repeats, busy_start, interleave, sustained_s, predict_peak, predict_time,
+        vocab_chunk, on_start, on_record,
     ):  # fmt: skip
         seen.update(shapes=list(shapes), methods=[m.name for m in methods], std=logit_std, warmup=warmup, rep=repeats)
-        seen.update(busy_start=busy_start, interleave=interleave)
+        seen.update(busy_start=busy_start, interleave=interleave, sustained_s=sustained_s)
         records = []
         for shape in shapes:
             for i, method in enumerate(methods):
@@ -624,7 +631,7 @@ def test_gpu_run_glue_with_a_stubbed_suite(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(suite, "run_suite", fake_run_suite)
     out = tmp_path / "out"
     argv = ["bench", "--shapes", "8192x5376x262144", "--methods", "ours_default_*", "liger_c1_bf16"]
-    options = ["--logit-std", "0.5", "--repeats", "7", "--warmup", "1", "--busy-start", "--interleave"]
+    options = ["--logit-std", "0.5", "--repeats", "7", "--warmup", "1", *timing, "--interleave"]
     code = main([*argv, *options, "--out", str(out)])
     stdout, err = capsys.readouterr()
     assert code == 0, err
@@ -635,13 +642,15 @@ def test_gpu_run_glue_with_a_stubbed_suite(tmp_path, capsys, monkeypatch):
         "std": 0.5,
         "warmup": 1,
         "rep": 7,
-        "busy_start": True,
+        "busy_start": busy_start,
         "interleave": True,
+        "sustained_s": sustained,
     }
     document = json.loads((out / "bench.json").read_text())
     meta = document["metadata"]
     assert (meta["gpu"], meta["logit_std"], meta["repeats"], meta["warmup"]) == ("NVIDIA H200", 0.5, 7, 1)
-    assert meta["busy_start"] is True and "| busy start" in stdout
+    assert (meta["busy_start"], meta["sustained"]) == (busy_start, sustained) and title in stdout
+    assert ("| busy start" in stdout) == busy_start and ("| sustained" in stdout) == (sustained is not None)
     assert meta["interleave"] is True and "| interleaved" in stdout
     assert meta["shapes"] == ["8192x5376x262144"] and meta["complete"] is True
     chunks = {r["method"]: r["chunk_size"] for r in document["records"]}

@@ -19,26 +19,27 @@ def calls(monkeypatch):
         for _ in range(calls):
             log.append(("warm", step.row))
 
-    def time_call(step, *, busy_start=False):
+    def time_sample(step, *, busy_start=False, sustained_s=None):
         step()
         log.append(("time", step.row))
-        return 10.0 + step.index + (0.5 if busy_start else 0.0)
+        # a sustained sample: 100 ms more per second of window, so a test sees which window reached it
+        return 10.0 + step.index + (0.5 if busy_start else 0.0) + (100.0 * sustained_s if sustained_s else 0.0)
 
     def peak_bytes(step):
         log.append(("peak", step.row))
         return 100 * (step.index + 1)
 
     monkeypatch.setattr(suite, "warm_up", warm_up)
-    monkeypatch.setattr(suite, "time_call", time_call)
+    monkeypatch.setattr(suite, "time_sample", time_sample)
     monkeypatch.setattr(suite, "peak_bytes", peak_bytes)
-    monkeypatch.setattr(suite, "measure", _measure_with(warm_up, time_call, peak_bytes))
+    monkeypatch.setattr(suite, "measure", _measure_with(warm_up, time_sample, peak_bytes))
     return log
 
 
-def _measure_with(warm_up, time_call, peak_bytes):
-    def measure(step, *, warmup, repeats, busy_start):
+def _measure_with(warm_up, time_sample, peak_bytes):
+    def measure(step, *, warmup, repeats, busy_start, sustained_s):
         warm_up(step, warmup)
-        times = tuple(time_call(step, busy_start=busy_start) for _ in range(repeats))
+        times = tuple(time_sample(step, busy_start=busy_start, sustained_s=sustained_s) for _ in range(repeats))
         return suite.Measurement(times, peak_bytes(step))
 
     return measure
@@ -100,3 +101,63 @@ def test_an_interleaved_row_that_breaks_or_cannot_run_leaves_the_others_their_ro
     assert by_name["peer"].status == "not installed" and by_name["peer"].times_ms == ()
     assert by_name["a"].median_ms == 13.0 and by_name["a"].x_floor == pytest.approx(1.3)
     assert [r.method for r in records] == ["gemm_floor", "broken", "peer", "a"]  # the methods' order
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_a_sustained_window_reaches_every_sample_of_every_row(calls, interleave):
+    records = _run([_row("gemm_floor", 0), _row("a", 1)], interleave=interleave, sustained_s=1.5)
+    assert [(r.method, r.times_ms) for r in records] == [("gemm_floor", (160.0,) * 5), ("a", (161.0,) * 5)]
+    assert records[1].x_floor == pytest.approx(161.0 / 160.0)
+
+
+# --- the sustained window's own arithmetic, with CUDA's events and the sizing call stubbed ---------------
+
+
+class _Event:
+    """A CUDA event stand-in: ``elapsed_time`` is the calls made between the two records, 40 ms each."""
+
+    log: list[str] = []
+
+    def __init__(self, enable_timing=False):
+        self.at = None
+
+    def record(self):
+        self.at = len(_Event.log)
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, later):
+        return 40.0 * (later.at - self.at)
+
+
+def test_time_sustained_fills_the_window_after_a_lead_in_and_returns_the_mean_call(monkeypatch):
+    from flce_policy.benchmarks import measure
+
+    _Event.log = []
+    monkeypatch.setattr(measure.torch.cuda, "Event", _Event)
+    monkeypatch.setattr(measure, "time_call", lambda step, *, busy_start: 100.0)  # the sizing call: 100 ms
+
+    def step():
+        _Event.log.append("call")
+
+    # 2 s of 100 ms calls: 20 timed, a quarter of them (5) untimed first
+    assert measure.time_sustained(step, 2.0) == pytest.approx(40.0)
+    assert len(_Event.log) == 25
+
+
+@pytest.mark.parametrize(
+    "seconds, call_ms, calls", [(2.0, 100.0, 20), (2.0, 30.0, 67), (0.01, 400.0, 1), (1.0, 1000.0, 1)]
+)
+def test_sustained_calls_cover_the_window(seconds, call_ms, calls):
+    from flce_policy.benchmarks.measure import sustained_calls
+
+    assert sustained_calls(seconds, call_ms) == calls
+
+
+@pytest.mark.parametrize("seconds, call_ms", [(0.0, 10.0), (1.0, 0.0), (-1.0, 5.0)])
+def test_sustained_calls_refuse_an_empty_window_or_call(seconds, call_ms):
+    from flce_policy.benchmarks.measure import sustained_calls
+
+    with pytest.raises(ValueError, match="positive window and call time"):
+        sustained_calls(seconds, call_ms)

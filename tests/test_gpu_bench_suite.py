@@ -52,3 +52,15 @@ def test_rows_measure_their_own_peak_and_positive_times(interleave):
     assert by_name["allocating"].x_floor == pytest.approx(
         by_name["allocating"].median_ms / by_name["gemm_floor"].median_ms
     )
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_sustained_samples_are_per_call_times_of_a_busy_window(interleave):
+    """A 256x256 product's mean call over a 50 ms window: positive, and well under the window itself."""
+    rows = [Method("gemm_floor", "floor", step=_floor), Method("allocating", "test", step=_allocating)]
+    records = suite.run_suite(
+        [(1, 1, 1)], rows, warmup=1, repeats=5, inputs_for=lambda shape: None, interleave=interleave, sustained_s=0.05
+    )
+    assert [r.status for r in records] == ["ok", "ok"]
+    assert all(len(r.times_ms) == 5 and 0 < min(r.times_ms) and max(r.times_ms) < 50.0 for r in records)
+    assert {r.method: r.peak_bytes for r in records}["allocating"] == HELD
