@@ -703,3 +703,25 @@ def test_the_cost_model_prices_each_form_s_logits_gemm():
     for name, value in terms["scaled_exp_rows"].items():
         if name != "scaled_exp_epilogue":
             assert terms["scaled_exp_ws"][name] == value, name
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("accum_dtype", [None, torch.float32])
+def test_hidden_over_several_column_blocks_of_the_target_kernels(form, accum_dtype):
+    """H = 600 and 40 rows in chunks of 24: the target kernels' programs split the hidden size into blocks (the last
+    partial) and the rows into blocks (the last partial); the gradients still match fp64."""
+    g = torch.Generator().manual_seed(11)
+    bt, hidden, vocab = 40, 600, 600
+    t = {
+        "x": torch.randn(bt, hidden, generator=g).to(torch.bfloat16),
+        "w": (torch.randn(vocab, hidden, generator=g) * (4.0 / hidden**0.5)).to(torch.bfloat16),
+        "y": torch.randint(0, vocab, (bt,), generator=g),
+    }
+    t["y"][[3, 29]] = -100
+    t = {k: v.to(DEVICE) for k, v in t.items()}
+    policy = Geometry.for_problem(Problem(bt, hidden, vocab, "bfloat16"), 24, slab_form=form)
+    got_loss, _, got = run(t, policy, accum_dtype=accum_dtype)
+    want_loss, want = reference(t)
+    assert abs(got_loss.double().item() - want_loss.item()) <= LOSS_TOL * abs(want_loss.item())
+    for name, grad in got.items():
+        assert rel_l2(grad, want[name]) < GRAD_TOL, name
