@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU half of the project, in one script, for the GPU the device tool lends (H100 or H200):
-#   bash benchmarks/run_gpu_suite.sh [tests] [bench] [smallheads] [smallheads-busy] [compile] [hf] [sharded] [trained] [convergence] [overlap] [weightgrad] [measured] [measured-first]
+#   bash benchmarks/run_gpu_suite.sh [tests] [bench] [smallheads] [smallheads-busy] [smallheads-sustained] [compile] [hf] [sharded] [trained] [convergence] [overlap] [weightgrad] [measured] [measured-first]
 #     [quick METHODS SHAPES...]
 # (smallheads: the small- and large-head shape sets against QuACK and Liger, and the accuracy table;
 # QuACK is installed by benchmarks/install_quack.sh from $QUACK_WHEELS (default .whl/quack/; its largest wheel
 # may come as split parts) when it is not importable, without them its rows say it is not installed; smallheads-busy: the same
 # shapes for the default, both picks at Liger C=16's peak, QuACK and Liger C=16 and C=1 with bench --busy-start, and
-# the accuracy table)
+# the accuracy table; smallheads-sustained: the default, QuACK and Liger C=16 at the shape sets of $SUSTAINED_SHAPES
+# (default both) with bench --sustained 1.5, calls back to back as in training — the H100's table in the README)
 # (compile: the torch.compile GPU tests and benchmarks/compile_bench.py alone; hf: the HF step
 # benchmark and the 50-step check; sharded: FSDP2 / ZeRO-3 on one GPU and the saturation scenario,
 # with DeepSpeed's wheels in .whl/ds/ — see docs/fsdp-zero3.md; trained: train the small Llama of
@@ -75,6 +76,14 @@ while [ $# -gt 0 ]; do
         ours_default_bf16 ours_within_liger_c16_peak_bf16 ours_within_liger_c16_peak_rows_bf16 quack liger_c16_bf16 \
         liger_c1_bf16 2>&1 | tee "$out/small_heads_busy.log" || status=1
       python3 -m flce_policy.benchmarks.accuracy --out "$out/accuracy.json" 2>&1 | tee "$out/accuracy.log" || status=1
+      shift ;;
+    smallheads-sustained)
+      # each sample the mean call over 1.5 s of calls back to back: the card at its sustained clock, as in training
+      quack_path
+      # shellcheck disable=SC2086  # the shape sets are words
+      python3 -m flce_policy.cli bench --sustained 1.5 --interleave --repeats 5 --shapes ${SUSTAINED_SHAPES:-small-heads large-heads} \
+        --out "$out/small_heads_sustained" --methods ours_default_bf16 quack liger_c16_bf16 2>&1 \
+        | tee "$out/small_heads_sustained.log" || status=1
       shift ;;
     compile)
       TRITON_INTERPRET=0 python3 -m pytest "$repo/tests/test_gpu_compile.py" -m gpu -s -q -p no:cacheprovider 2>&1 | tee "$out/gpu_compile_tests.log" || status=1
