@@ -58,8 +58,11 @@ def stub_suite(rows, scaled_exp_slowdown, rows_slowdown=None, ws_slowdown=None):
     warp-specialised one's ``ws_slowdown``, by default the row-scaled form's); the method names it was asked for in
     ``.calls``."""
 
-    def fake_run_suite(shapes, methods, *, logit_std, warmup, repeats, predict_peak, on_start, on_record):
+    def fake_run_suite(
+        shapes, methods, *, logit_std, warmup, repeats, sustained_s, predict_peak, on_start, on_record
+    ):  # fmt: skip
         fake_run_suite.calls.append(([m.name for m in methods], logit_std, warmup, repeats))
+        fake_run_suite.sustained.append(sustained_s)
         by_chunk = {r.chunk_size: r for r in rows}
         records = []
         for method in methods:
@@ -79,6 +82,7 @@ def stub_suite(rows, scaled_exp_slowdown, rows_slowdown=None, ws_slowdown=None):
         return with_floor_ratios(records)
 
     fake_run_suite.calls = []
+    fake_run_suite.sustained = []
     return fake_run_suite
 
 
@@ -382,6 +386,8 @@ def test_gpu_run_glue_with_a_stubbed_suite(tmp_path, capsys, monkeypatch):
         "ours_scaled_exp_one_chunk_bf16",
     ]
     assert calls == [(expected_rows, 4.0, 2, 6)]
+    assert fake_run_suite.sustained == [None]
+    assert "# median of 6 calls after 2 warm-up;" in out.read_text()
     policy = FLCEPolicy.from_yaml(out)
     assert policy.rules[0].strategy == SlabBudget("1GiB")
     assert "8192x5376x262144 ours_chunk2048_bf16: 108.50 ms, peak 3.70 GiB, ok" in err  # the progress lines
@@ -463,7 +469,7 @@ def test_tune_writes_fastest_with_the_calibrated_rates(tmp_path, capsys, monkeyp
 
     made = DeviceRates(5.0e14, 3.5e12)
 
-    def fake_run_suite(shapes, methods, *, logit_std, warmup, repeats, predict_peak, on_start, on_record):
+    def fake_run_suite(shapes, methods, *, logit_std, warmup, repeats, sustained_s, predict_peak, on_start, on_record):
         (shape,) = shapes
         by_chunk = {r.chunk_size: r for r in modelled_rows(shape, made, chunks=(256, 512, 1024, 2048, 4096, 8192))}
         records = []
@@ -536,7 +542,7 @@ def test_nothing_fitting_the_limits_is_a_user_error(tmp_path, capsys, monkeypatc
     from flce_policy.benchmarks import suite
     from flce_policy.engine import probe
 
-    def fake_run_suite(shapes, methods, *, logit_std, warmup, repeats, predict_peak, on_start, on_record):
+    def fake_run_suite(shapes, methods, *, logit_std, warmup, repeats, sustained_s, predict_peak, on_start, on_record):
         by_chunk = {r.chunk_size: r for r in gemma_rows()}
         return [by_chunk[predict_peak(m, shapes[0])[0] if m.name != "gemm_floor" else None] for m in methods]
 
@@ -676,3 +682,25 @@ def test_the_slab_form_is_chosen_over_every_shape():
         assert scaled_choice.slab_form == "scaled_exp"
         assert tune.choose_slab_form(logits, scaled_choice).slab_form == form
     assert tune.choose_slab_form(logits, None) is logits
+
+
+def test_sustained_samples_reach_the_suite_and_the_file_says_how_it_measured(tmp_path, capsys, monkeypatch):
+    from flce_policy.benchmarks import suite
+    from flce_policy.engine import probe
+
+    fake_run_suite = stub_suite(gemma_rows(), scaled_exp_slowdown=1.05)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(probe, "probe_device", lambda index=None: H200)
+    monkeypatch.setattr(suite, "run_suite", fake_run_suite)
+    out = tmp_path / "h200.yaml"
+    argv = ["tune", "--shapes", "8192x5376x262144", "--max-peak", "5GiB", "--sustained", "1.5", "--out", str(out)]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert fake_run_suite.sustained == [1.5]
+    text = " ".join(line.lstrip("# ") for line in out.read_text().splitlines())
+    assert "median of 5 samples after 2 warm-up calls, each the mean call over 1.5 s of calls back to back" in text
+    assert FLCEPolicy.from_yaml(out).rules[0].strategy == SlabBudget("1GiB")
+
+
+def test_sustained_needs_a_positive_window(tmp_path, capsys):
+    assert main(["tune", "--max-slab", "1GiB", "--sustained", "0", "--out", str(tmp_path / "p.yaml")]) == 2
+    assert "--sustained: expected a positive number, got '0'" in capsys.readouterr().err

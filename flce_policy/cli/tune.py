@@ -48,6 +48,7 @@ from flce_policy.benchmarks.cli import (
     add_measurement_options,
     filter_eps_arg,
     filter_rescue_arg,
+    positive_float,
     run_command,
     shape_arg,
 )
@@ -525,6 +526,13 @@ def build_parser(prog: str) -> Parser:
     )
     add_measurement_options(parser, with_defaults=True)
     parser.add_argument(
+        "--sustained",
+        type=positive_float,
+        metavar="SECONDS",
+        help="each timed sample the mean call over SECONDS of calls back to back, as in a training loop (the card at "
+        "its sustained clock, which a power limit may hold below its boost clock; default: one call per sample)",
+    )
+    parser.add_argument(
         "--strategy",
         choices=("slab_budget", "fastest", "measured"),
         default="slab_budget",
@@ -726,6 +734,7 @@ def _measure(shapes: list[Shape], device: DeviceInfo, args: argparse.Namespace) 
                 logit_std=args.logit_std,
                 warmup=args.warmup,
                 repeats=args.repeats,
+                sustained_s=args.sustained,
                 predict_peak=lambda method, shape: predicted_peak(method, shape, device),
                 on_start=progress.started,
                 on_record=progress.finished,
@@ -745,7 +754,10 @@ def _about(args: argparse.Namespace) -> list[str]:
         f"{date}; torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}, "
         f"flce-policy {flce_policy.__version__}",
         f"fwd+bwd in bfloat16, x and W needing grad, grad_weight accumulated in {accum};",
-        f"median of {args.repeats} calls after {args.warmup} warm-up; x floor = time / the three-GEMM floor;",
+        f"median of {args.repeats} calls after {args.warmup} warm-up; x floor = time / the three-GEMM floor;"
+        if args.sustained is None
+        else f"median of {args.repeats} samples after {args.warmup} warm-up calls, each the mean call over "
+        f"{args.sustained:g} s of calls back to back; x floor = time / the three-GEMM floor;",
         "peak over the inputs (max_memory_allocated minus the allocation before the call); fits = within the limits",
     ]
 
