@@ -133,9 +133,9 @@ def test_rates_table_has_the_h200_calibrated_on_the_committed_run():
     table = RATES["H200"]
     assert fitted.matmul_flops == pytest.approx(table.matmul_flops, rel=0.005)
     assert fitted.hbm_bytes_per_s == pytest.approx(table.hbm_bytes_per_s, rel=0.005)
-    # the H100's GEMM and HBM rates derived by datasheet ratios; its scaled-exp terms fitted to its own sweep
-    derived = DeviceRates(table.matmul_flops, table.hbm_bytes_per_s * 3.35 / 4.8)
-    assert RATES["H100"] == derived._replace(scaled_exp_gemm_efficiency=0.92, scaled_exp_chunk_overhead=1e-13)
+    # the H100's GEMM and HBM rates derived by datasheet ratios (its scaled-exp terms: tests/test_form_choice.py)
+    assert RATES["H100"].matmul_flops == pytest.approx(table.matmul_flops)
+    assert RATES["H100"].hbm_bytes_per_s == pytest.approx(table.hbm_bytes_per_s * 3.35 / 4.8)
 
 
 def test_explain_predicts_with_the_accumulation_and_rates_the_strategy_planned():
