@@ -2,7 +2,8 @@
 
 Triton picks interpreter or compiler when a kernel is decorated, i.e. when ``flce_policy.kernels``
 is first imported, so the variable is set here, before any test module imports the kernels.
-``setdefault`` leaves an explicit ``TRITON_INTERPRET=0`` (the GPU suite) untouched.
+``setdefault`` leaves an explicit ``TRITON_INTERPRET=0`` (the GPU suite) untouched, and ``pytest -m gpu`` (a marker
+expression that selects only GPU tests) runs the compiled kernels unless the variable was given.
 
 Under the interpreter, ``tests/_interpreter_patch.py`` drops its repeated patching of
 ``triton.language`` inside a launch (half the CPU time of a vocab-tiled call; bit-identical results).
@@ -14,10 +15,13 @@ from __future__ import annotations
 import os
 
 import pytest
+from _pytest.mark.expression import Expression
 
 #: the thread-pool sizes of torch (OpenMP) and numpy (OpenBLAS)
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
+#: whether the environment chose interpreter or compiler itself: then a GPU run keeps that choice
+INTERPRET_GIVEN = "TRITON_INTERPRET" in os.environ
 os.environ.setdefault("TRITON_INTERPRET", "1")
 # One compute thread per process (torch's OpenMP pool, numpy's OpenBLAS under the interpreter), inherited by
 # the processes the tests spawn: xdist already runs one worker per core, and the tensors here are tiny, so a
@@ -105,6 +109,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: position.get(item.path.name, len(LONGEST_FIRST)))
 
 
+def selects_only_gpu_tests(markexpr: str) -> bool:
+    """Whether ``-m markexpr`` selects tests marked ``gpu`` and no others: a test with that mark alone, and not a
+    test without marks nor one with every mark but ``gpu`` (enough for the expressions one writes)."""
+    if not markexpr:
+        return False
+    expression = Expression.compile(markexpr)
+    return (
+        expression.evaluate(lambda name, **_: name == "gpu")
+        and not expression.evaluate(lambda name, **_: False)
+        and not expression.evaluate(lambda name, **_: name != "gpu")
+    )
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # xdist registers it; registered here too so that -p no:xdist does not warn about an unknown mark
     config.addinivalue_line("markers", "xdist_group(name): tests that run on one pytest-xdist worker")
+    if not INTERPRET_GIVEN and selects_only_gpu_tests(config.option.markexpr):
+        # the GPU tests want the compiled kernels, and no test module has imported them yet (Triton reads the
+        # variable when a kernel is defined); xdist's workers start later and inherit it
+        os.environ["TRITON_INTERPRET"] = "0"
