@@ -3,7 +3,7 @@
 Triton picks interpreter or compiler when a kernel is decorated, i.e. when ``flce_policy.kernels``
 is first imported, so the variable is set here, before any test module imports the kernels.
 ``setdefault`` leaves an explicit ``TRITON_INTERPRET=0`` (the GPU suite) untouched, and ``pytest -m gpu`` (a marker
-expression that selects only GPU tests) runs the compiled kernels unless the variable was given.
+expression that selects only GPU tests) runs the compiled kernels on a GPU unless the variable was given.
 
 Under the interpreter, ``tests/_interpreter_patch.py`` drops its repeated patching of
 ``triton.language`` inside a launch (half the CPU time of a vocab-tiled call; bit-identical results).
@@ -125,7 +125,14 @@ def selects_only_gpu_tests(markexpr: str) -> bool:
 def pytest_configure(config: pytest.Config) -> None:
     # xdist registers it; registered here too so that -p no:xdist does not warn about an unknown mark
     config.addinivalue_line("markers", "xdist_group(name): tests that run on one pytest-xdist worker")
-    if not INTERPRET_GIVEN and selects_only_gpu_tests(config.option.markexpr):
+    if not INTERPRET_GIVEN and selects_only_gpu_tests(config.option.markexpr) and _cuda_available():
         # the GPU tests want the compiled kernels, and no test module has imported them yet (Triton reads the
-        # variable when a kernel is defined); xdist's workers start later and inherit it
+        # variable when a kernel is defined); xdist's workers start later and inherit it. Without a GPU they skip,
+        # interpreted as the rest (compiled kernels cannot even be collected there)
         os.environ["TRITON_INTERPRET"] = "0"
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
