@@ -1,9 +1,9 @@
 """Shared test setup: run the Triton kernels on CPU under the interpreter unless told otherwise.
 
-Triton picks interpreter or compiler when a kernel is decorated, i.e. when ``flce_policy.kernels``
-is first imported, so the variable is set here, before any test module imports the kernels.
-``setdefault`` leaves an explicit ``TRITON_INTERPRET=0`` (the GPU suite) untouched, and ``pytest -m gpu`` (a marker
-expression that selects only GPU tests) runs the compiled kernels on a GPU unless the variable was given.
+Triton picks interpreter or compiler when a kernel is decorated (its own ``triton.language`` helpers when that is
+first imported, ours when ``flce_policy.kernels`` is), so the variable is set at ``pytest_configure``, before any
+test module or Triton itself is imported: ``1``, but ``0`` where the run selects only GPU tests (``pytest -m gpu``)
+on a machine with CUDA. A ``TRITON_INTERPRET`` given in the environment (the GPU suite's ``0``) is kept.
 
 Under the interpreter, ``tests/_interpreter_patch.py`` drops its repeated patching of
 ``triton.language`` inside a launch (half the CPU time of a vocab-tiled call; bit-identical results).
@@ -20,9 +20,8 @@ from _pytest.mark.expression import Expression
 #: the thread-pool sizes of torch (OpenMP) and numpy (OpenBLAS)
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
-#: whether the environment chose interpreter or compiler itself: then a GPU run keeps that choice
+#: whether the environment chose interpreter or compiler itself: then the run keeps that choice
 INTERPRET_GIVEN = "TRITON_INTERPRET" in os.environ
-os.environ.setdefault("TRITON_INTERPRET", "1")
 # One compute thread per process (torch's OpenMP pool, numpy's OpenBLAS under the interpreter), inherited by
 # the processes the tests spawn: xdist already runs one worker per core, and the tensors here are tiny, so a
 # second thread only spins waiting for work on a core another worker needs (a tiny HF model's step took
@@ -30,9 +29,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 for _variable in THREAD_VARIABLES:
     os.environ.setdefault(_variable, "1")
 
-import _interpreter_patch  # noqa: E402
-
-_interpreter_patch.for_tests()
+import _interpreter_patch  # noqa: E402  (imports Triton only when called)
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which turns "auto" into a number of workers
@@ -125,11 +122,12 @@ def selects_only_gpu_tests(markexpr: str) -> bool:
 def pytest_configure(config: pytest.Config) -> None:
     # xdist registers it; registered here too so that -p no:xdist does not warn about an unknown mark
     config.addinivalue_line("markers", "xdist_group(name): tests that run on one pytest-xdist worker")
-    if not INTERPRET_GIVEN and selects_only_gpu_tests(config.option.markexpr) and _cuda_available():
-        # the GPU tests want the compiled kernels, and no test module has imported them yet (Triton reads the
-        # variable when a kernel is defined); xdist's workers start later and inherit it. Without a GPU they skip,
-        # interpreted as the rest (compiled kernels cannot even be collected there)
-        os.environ["TRITON_INTERPRET"] = "0"
+    if not INTERPRET_GIVEN:
+        # the GPU tests want the compiled kernels; without a GPU they skip, interpreted as the rest (two CPU test
+        # modules cannot even be collected with compiled kernels there). xdist's workers inherit the choice.
+        gpu_run = selects_only_gpu_tests(config.option.markexpr) and _cuda_available()
+        os.environ["TRITON_INTERPRET"] = "0" if gpu_run else "1"
+    _interpreter_patch.for_tests()
 
 
 def _cuda_available() -> bool:
