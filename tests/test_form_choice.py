@@ -59,7 +59,9 @@ def test_before_hopper_every_strategy_runs_the_logits_slab(family, strategy):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: type(s).__name__)
-@pytest.mark.parametrize(("family", "form"), [("H100", "scaled_exp_rows"), ("H200", "scaled_exp_ws")])
+@pytest.mark.parametrize(
+    ("family", "form"), [("H100", "scaled_exp_rows"), ("H800", "scaled_exp_rows"), ("H200", "scaled_exp_ws")]
+)
 def test_on_hopper_every_strategy_gets_the_fastest_form(strategy, family, form):
     device = DeviceInfo.synthetic(family)
     geometry = planned_geometry(strategy, SMALL_HEAD, device)
@@ -126,6 +128,9 @@ def test_blackwell_runs_the_triton_form_never_the_hopper_only_gemm():
 def test_the_h100_leaves_the_warp_specialised_gemm_to_the_h200():
     geometry = Geometry.for_problem(SMALL_HEAD, 4096)
     assert "does not win on H100" in slab_form_candidates(geometry, DeviceInfo.synthetic("H100"))["scaled_exp_ws"]
+    # the H800 is the H100's chip: its measurements stand for it
+    assert "does not win on H800" in slab_form_candidates(geometry, DeviceInfo.synthetic("H800"))["scaled_exp_ws"]
+    assert rates_for(DeviceInfo.synthetic("H800")) == rates_for(DeviceInfo.synthetic("H100"))
     assert slab_form_candidates(geometry, DeviceInfo.synthetic("H200"))["scaled_exp_ws"] is None
     large = Geometry.for_problem(Problem(16384, 4096, 131072), 4096)
     assert "above 3072" in slab_form_candidates(large, DeviceInfo.synthetic("H200"))["scaled_exp_ws"]

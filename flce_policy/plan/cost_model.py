@@ -107,12 +107,14 @@ def _derived(dense_tflops: float, hbm_tbs: float) -> DeviceRates:
     return DeviceRates(_H200_FLOPS * dense_tflops / 989, _H200_BYTES * hbm_tbs / 4.8)
 
 
+# H100: DERIVED rates; the scaled-exp terms FITTED to its sweep of both forms at 256 rows to one chunk, the nine bench
+# shapes (results/2026-12-05-h100, ``slab_forms_2026_12_06``): the faster form at 53 of 54, 0.7 ms lost
+_H100 = _derived(989, 3.35)._replace(scaled_exp_gemm_efficiency=0.94, scaled_exp_chunk_overhead=1e-13)
+
 RATES: dict[str, DeviceRates] = {
     "H200": DeviceRates(_H200_FLOPS, _H200_BYTES),
-    # H100: DERIVED rates; the scaled-exp terms FITTED to its sweep of both forms at 256 rows to one chunk, the nine
-    # bench shapes (results/2026-12-05-h100, ``slab_forms_2026_12_06``): the faster form at 53 of 54, 0.7 ms lost
-    "H100": _derived(989, 3.35)._replace(scaled_exp_gemm_efficiency=0.94, scaled_exp_chunk_overhead=1e-13),
-    "H800": _derived(989, 3.35),
+    "H100": _H100,
+    "H800": _H100,  # the H100's chip and memory (its NVLink capped)
     "GH200": _derived(989, 4.8),
     "H20": _derived(148, 4.0),
     "B200": _derived(2250, 8.0),

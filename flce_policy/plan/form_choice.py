@@ -37,8 +37,9 @@ __all__ = [
 
 #: The largest hidden size at which the warp-specialised GEMM beats the Triton GEMM, per GPU family (sm_90).
 #: H200: MEASURED, 0.990x -> 0.992x the floor at H=3072, slower from H=4096. H100: MEASURED, 0 (never): slower than
-#: the Triton GEMM at 5 of the 6 small heads (docs/results.md, "Slab forms"). Every other Hopper: the H200's.
-WS_MAX_HIDDEN: dict[str, int] = {"H200": 3072, "H100": 0}
+#: the Triton GEMM at 5 of the 6 small heads (docs/results.md, "Slab forms"); the H800, its chip, DERIVED from it.
+#: Every other Hopper: the H200's.
+WS_MAX_HIDDEN: dict[str, int] = {"H200": 3072, "H100": 0, "H800": 0}
 _WS_MAX_HIDDEN_DERIVED = 3072
 #: Ties (within a nanosecond) go to the form listed first.
 _PREFERENCE = ("scaled_exp_ws", "scaled_exp_rows", "logits")
