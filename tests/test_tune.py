@@ -445,6 +445,36 @@ def test_calibration_on_the_committed_h200_run_stays_near_the_table():
     assert worst < 0.10
 
 
+def modelled_form_rows(shape, rates, form, chunks=(512, 1024, 2048, 4096)):
+    """Fixed-chunk rows on ``form``'s slab timed by the cost model at ``rates``."""
+    from flce_policy.benchmarks.methods import FIXED_FAMILIES
+    from flce_policy.plan.cost_model import predict_seconds
+
+    rows = []
+    for chunk in chunks:
+        geometry = tune.Geometry.for_problem(Problem(*shape), chunk, slab_form=form)
+        row = ours(shape, chunk, predict_seconds(geometry, rates).seconds * 1e3, 3.0)
+        rows.append(dataclasses.replace(row, method=f"ours_{form}_chunk{chunk}_bf16", family=FIXED_FAMILIES[form]))
+    return rows
+
+
+def test_calibration_keeps_the_familys_slab_form_terms():
+    # the H100's scaled-exp terms (its GEMM epilogue's efficiency, seconds per chunk) are its own, measured: the
+    # fit recovers the GEMM rate and bandwidth around them exactly, and keeps them
+    from flce_policy.plan.cost_model import RATES
+
+    h100 = DeviceInfo.synthetic("H100")
+    made = RATES["H100"]._replace(matmul_flops=5.5e14, hbm_bytes_per_s=2.9e12)
+    assert made.scaled_exp_chunk_overhead > 0 and made.scaled_exp_gemm_efficiency != 0.86  # not the defaults
+    records = modelled_rows(GEMMA, made) + modelled_rows(LONG, made)
+    records += modelled_form_rows(GEMMA, made, "scaled_exp_rows") + modelled_form_rows(LONG, made, "scaled_exp_rows")
+    rates, worst = tune.calibrate(records, h100)
+    assert rates.matmul_flops == pytest.approx(5.5e14, rel=1e-9)
+    assert rates.hbm_bytes_per_s == pytest.approx(2.9e12, rel=1e-9)
+    assert rates._replace(matmul_flops=made.matmul_flops, hbm_bytes_per_s=made.hbm_bytes_per_s) == made
+    assert worst < 1e-9
+
+
 @pytest.mark.parametrize(
     "samples, fragment",
     [
@@ -461,11 +491,22 @@ def test_calibration_refuses_what_it_cannot_fit(samples, fragment):
         fit_rates(samples, RATES["H200"])
 
 
-def test_tune_writes_fastest_with_the_calibrated_rates(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize(
+    ("family", "family_terms"),
+    [
+        ("H200", {}),
+        # the H100's measured slab-form terms go with the calibrated rates (a rates mapping starts from the defaults)
+        ("H100", {"scaled_exp_gemm_efficiency": 0.94, "scaled_exp_chunk_overhead": 1e-13}),
+    ],
+)
+def test_tune_writes_fastest_with_the_calibrated_rates(tmp_path, capsys, monkeypatch, family, family_terms):
     from flce_policy.benchmarks import suite
     from flce_policy.engine import probe
-    from flce_policy.plan.cost_model import DeviceRates
+    from flce_policy.plan.cost_model import RATES, DeviceRates
     from flce_policy.strategies import Fastest
+
+    device = DeviceInfo.synthetic(family)
+    assert {k: v for k, v in RATES[family]._asdict().items() if k in family_terms} == family_terms
 
     made = DeviceRates(5.0e14, 3.5e12)
 
@@ -479,16 +520,16 @@ def test_tune_writes_fastest_with_the_calibrated_rates(tmp_path, capsys, monkeyp
         return with_floor_ratios(records)
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(probe, "probe_device", lambda index=None: H200)
+    monkeypatch.setattr(probe, "probe_device", lambda index=None: device)
     monkeypatch.setattr(suite, "run_suite", fake_run_suite)
-    out = tmp_path / "h200.yaml"
+    out = tmp_path / "tuned.yaml"
     argv = ["tune", "--shapes", "8192x5376x262144", "--max-slab", "512MiB", "--accum", "bf16"]
     code = main([*argv, "--strategy", "fastest", "--out", str(out)])
     _, err = capsys.readouterr()
     assert code == 0, err
     strategy = FLCEPolicy.from_yaml(out).rules[0].strategy
     assert isinstance(strategy, Fastest) and strategy.max_slab == "512MiB" and strategy.accum == "bf16"
-    assert strategy.rates == {"matmul_flops": 5e14, "hbm_bytes_per_s": 3.5e12}
+    assert strategy.rates == {"matmul_flops": 5e14, "hbm_bytes_per_s": 3.5e12, **family_terms}
     assert "cost model calibrated here: GEMM 500 TFLOP/s, HBM 3.50 TB/s" in out.read_text()
 
 

@@ -300,6 +300,7 @@ def calibrate(records: Iterable[Record], device: DeviceInfo, *, dtype: str = "bf
     """The device's cost-model rates fitted to the measured fixed-chunk rows of ours (each at its
     own accumulation) and the floor, and the worst ``|predicted / measured - 1|`` with them;
     ValueError when they cannot be fitted."""
+    base = rates_for(device)  # its other terms (the slab forms' efficiencies and per-chunk seconds) are kept
     samples, rows = [], []
     for record in records:
         if record.median_ms is None:
@@ -311,9 +312,10 @@ def calibrate(records: Iterable[Record], device: DeviceInfo, *, dtype: str = "bf
             form = _FORM_OF_FAMILY[record.family]
             geometry = Geometry.for_problem(Problem(*record.shape, dtype=dtype), record.chunk_size, slab_form=form)
             accum_dtype = "float32" if record.accum == "fp32" else None
-            samples.append((*rate_coefficients(geometry, accum_dtype=accum_dtype), record.median_ms / 1e3))
+            flop, byte, fixed = rate_coefficients(geometry, accum_dtype=accum_dtype, base=base)
+            samples.append((flop, byte, record.median_ms / 1e3 - fixed))
             rows.append((geometry, accum_dtype, record.median_ms / 1e3))
-    rates = fit_rates(samples, rates_for(device))
+    rates = fit_rates(samples, base)
     errors = (abs(predict_seconds(g, rates, accum_dtype=a).seconds / t - 1) for g, a, t in rows)
     worst = max(errors, default=0.0)
     return rates, worst
@@ -700,16 +702,20 @@ def _rates_text(rates: DeviceRates) -> str:
 
 
 def _fastest(rates: DeviceRates, limits: Limits, accum: str) -> Fastest:
-    """Fastest under the tune limits (the slab defaults to the peak limit), with calibrated rates."""
+    """Fastest under the tune limits (the slab defaults to the peak limit), with calibrated rates and the family's
+    other terms where they are not the defaults (the H100's slab-form terms: a rates mapping starts from those)."""
     max_slab = limits.max_slab if limits.max_slab is not None else limits.max_peak
+    defaults = DeviceRates._field_defaults
+    written = {
+        key: float(f"{value:.4g}")
+        for key, value in rates._asdict().items()
+        if key not in defaults or value != defaults[key]
+    }
     return Fastest(
         max_slab=exact_size(max_slab),
         accum=accum,
         max_peak=None if limits.max_peak is None else exact_size(limits.max_peak),
-        rates={
-            "matmul_flops": float(f"{rates.matmul_flops:.4g}"),
-            "hbm_bytes_per_s": float(f"{rates.hbm_bytes_per_s:.4g}"),
-        },
+        rates=written,
     )
 
 

@@ -218,29 +218,33 @@ def collective_seconds(geometry: Geometry, rates: DeviceRates) -> float:
     return plan.collectives * rates.collective_latency_s + 2 * (ranks - 1) / ranks * plan.bytes / rates.link_bytes_per_s
 
 
-def rate_coefficients(geometry: Geometry, *, accum_dtype: str | None = None) -> tuple[float, float]:
-    """``(flop, byte)``: the model's seconds are ``flop / matmul_flops + byte / hbm_bytes_per_s``.
+def rate_coefficients(
+    geometry: Geometry, *, accum_dtype: str | None = None, base: DeviceRates | None = None
+) -> tuple[float, float, float]:
+    """``(flop, byte, fixed)``: the model's seconds at ``base``'s other terms (its efficiencies; the defaults when
+    None) are ``flop / matmul_flops + byte / hbm_bytes_per_s + fixed``.
 
-    Read off :func:`predict_seconds` itself (each rate set to 1 with the other infinite), so a
-    calibration fits exactly the model that predicts.
+    Read off :func:`predict_seconds` itself (each rate set to 1 with the other infinite, and both infinite for the
+    seconds no rate scales: the scaled-exp slab's per-chunk term), so a calibration fits exactly the model that
+    predicts. The collectives are none of them: left out (no link time, no latency).
     """
     inf = float("inf")
-    # the collectives are neither: they are left out (link_bytes_per_s infinite, no latency)
-    flop = predict_seconds(
-        geometry, DeviceRates(1.0, inf, link_bytes_per_s=inf, collective_latency_s=0.0), accum_dtype=accum_dtype
-    ).seconds
-    byte = predict_seconds(
-        geometry, DeviceRates(inf, 1.0, link_bytes_per_s=inf, collective_latency_s=0.0), accum_dtype=accum_dtype
-    ).seconds
-    return flop, byte
+    terms = (base or DeviceRates(1.0, 1.0))._replace(link_bytes_per_s=inf, collective_latency_s=0.0)
+
+    def seconds(matmul_flops: float, hbm_bytes_per_s: float) -> float:
+        rates = terms._replace(matmul_flops=matmul_flops, hbm_bytes_per_s=hbm_bytes_per_s)
+        return predict_seconds(geometry, rates, accum_dtype=accum_dtype).seconds
+
+    fixed = seconds(inf, inf)
+    return seconds(1.0, inf) - fixed, seconds(inf, 1.0) - fixed, fixed
 
 
 def fit_rates(samples: Iterable[tuple[float, float, float]], base: DeviceRates) -> DeviceRates:
     """``base`` with the GEMM rate and HBM bandwidth that best explain measured times.
 
-    ``samples``: ``(flop, byte, seconds)`` per measurement (:func:`rate_coefficients`; a pure-GEMM
-    measurement has ``byte = 0``). Least squares on the relative error. ValueError when the
-    measurements cannot separate the two rates or a fitted rate is not positive.
+    ``samples``: ``(flop, byte, seconds)`` per measurement (:func:`rate_coefficients`, its ``fixed`` seconds taken
+    off the measured ones; a pure-GEMM measurement has ``byte = 0``). Least squares on the relative error.
+    ValueError when the measurements cannot separate the two rates or a fitted rate is not positive.
     """
     # minimise sum((a*u + b*v) / t - 1)^2 over u = 1/flops, v = 1/bandwidth: 2x2 normal equations
     saa = sab = sbb = sa = sb = 0.0
