@@ -241,8 +241,9 @@ def _rate(key: str, value: Any) -> float:
             number = math.inf
     if number is None:
         raise StrategyError(f"fastest: rates.{key}: must be a number, got {value!r}", param=f"rates.{key}")
-    # a latency or an overhead may be 0 (nothing divides by it); every other rate divides a count of FLOPs or bytes
-    if key in ("collective_latency_s", "scaled_exp_chunk_overhead"):
+    # a latency, an overhead or an epilogue may be 0 (nothing divides by it); every other rate divides a count of
+    # FLOPs or bytes
+    if key in ("collective_latency_s", "scaled_exp_chunk_overhead", "scaled_exp_epilogue_flops"):
         wanted, ok = "finite and >= 0", number >= 0
     elif key.endswith("_efficiency"):
         wanted, ok = "a fraction in (0, 1]", 0 < number <= 1

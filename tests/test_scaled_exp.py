@@ -687,8 +687,9 @@ def test_the_warp_specialised_form_writes_128_column_slots_slot_major(monkeypatc
 
 
 def test_the_cost_model_prices_each_form_s_logits_gemm():
-    """The epilogue's term over cuBLAS's GEMM is the Triton GEMM's rate for the two Triton forms and the Gluon GEMM's
-    for "scaled_exp_ws"; otherwise the row-scaled forms cost the same."""
+    """The logits GEMM's term over cuBLAS's is the Triton GEMM's main loop and its epilogue per logit for the two
+    Triton forms, and the Gluon GEMM's rate (its epilogue overlapped) for "scaled_exp_ws"; otherwise the row-scaled
+    forms cost the same."""
     from flce_policy.plan.cost_model import predict_seconds, rates_for
 
     problem = Problem(16384, 1024, 131072, "bfloat16")
@@ -698,7 +699,9 @@ def test_the_cost_model_prices_each_form_s_logits_gemm():
         for form in ("scaled_exp_rows", "scaled_exp_ws")
     }
     one_gemm = 2 * 16384 * 1024 * 131072 / rates.matmul_flops
-    assert terms["scaled_exp_rows"]["scaled_exp_epilogue"] == pytest.approx(one_gemm * (1 / 0.8 - 1))
+    per_logit = rates.scaled_exp_epilogue_flops * 16384 * 131072 / rates.matmul_flops  # the Triton GEMM's epilogue
+    assert per_logit > 0
+    assert terms["scaled_exp_rows"]["scaled_exp_epilogue"] == pytest.approx(one_gemm * (1 / 0.8 - 1) + per_logit)
     assert terms["scaled_exp_ws"]["scaled_exp_epilogue"] == pytest.approx(one_gemm * (1 / 0.95 - 1))
     for name, value in terms["scaled_exp_rows"].items():
         if name != "scaled_exp_epilogue":

@@ -496,7 +496,10 @@ def test_calibration_refuses_what_it_cannot_fit(samples, fragment):
     [
         ("H200", {}),
         # the H100's measured slab-form terms go with the calibrated rates (a rates mapping starts from the defaults)
-        ("H100", {"scaled_exp_gemm_efficiency": 0.94, "scaled_exp_chunk_overhead": 1e-13}),
+        (
+            "H100",
+            {"scaled_exp_gemm_efficiency": 1.0, "scaled_exp_epilogue_flops": 600.0, "scaled_exp_chunk_overhead": 1e-13},
+        ),
     ],
 )
 def test_tune_writes_fastest_with_the_calibrated_rates(tmp_path, capsys, monkeypatch, family, family_terms):

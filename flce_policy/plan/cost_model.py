@@ -24,9 +24,11 @@ Terms (seconds), each traced to measurements on the H200 (results/2026-11-29-h20
   ends the call's flagging, and by one call in ``1 + FILTER_REST_CALLS`` (a policy runs that many dense after
   it: the price is their average). These are the TMA launch's (Hopper and later); the
   pointer-based launches that run where TMA cannot are slower, not modelled apart;
-- the scaled-exp slab (``geometry.slab_form``): its logits GEMM at ``scaled_exp_gemm_efficiency`` of
-  cuBLAS's rate, and the CE kernels one read and one write of the slab (its partials come from the GEMM);
-  (``ws_gemm_efficiency`` for ``"scaled_exp_ws"``'s Gluon GEMM);
+- the scaled-exp slab (``geometry.slab_form``): its logits GEMM's main loop at ``scaled_exp_gemm_efficiency`` of
+  cuBLAS's rate plus its epilogue, ``scaled_exp_epilogue_flops`` GEMM FLOPs a logit (an exp2 and a sum per element:
+  a cost per logit, not per FLOP, so the smaller H the larger its share), and the CE kernels one read and one write
+  of the slab (its partials come from the GEMM); ``"scaled_exp_ws"``'s Gluon GEMM at ``ws_gemm_efficiency``, its
+  epilogue overlapped;
   in the row-scaled form (``"scaled_exp_rows"``, as calls without a bias or label smoothing run it) no CE
   pass over the slab, x_c scaled per row for grad_weight and grad_input scaled per row (a read and a write
   of each; a grad_weight filter's flags come from the GEMM's row maxima, priced as the flags above);
@@ -82,10 +84,12 @@ class DeviceRates(NamedTuple):
     # with every tile kept, 0.248x with 17.9% kept: time = 0.062 + 1.038 x kept.
     filtered_gemm_efficiency: float = 0.963
     filter_fixed_share: float = 0.062
-    # The scaled-exp slab's logits GEMM (a Triton GEMM with the exp epilogue) against cuBLAS's. MEASURED on the
-    # H200 alone, at four small-head chunks: 1.080-1.227x cuBLAS's time (results/2026-12-01-small-heads/
-    # h200-persistent-tma.log); not yet in a whole call.
-    scaled_exp_gemm_efficiency: float = 0.86
+    # The scaled-exp slab's logits GEMM (a persistent Triton GEMM) against cuBLAS's: its main loop at this share of
+    # cuBLAS's rate, then its exp epilogue at this many GEMM FLOPs (of the same SMs) a logit. MEASURED on the H200
+    # alone at four small-head chunks (results/2026-12-01-small-heads/h200-persistent-tma.log): the GEMM without the
+    # epilogue 1.002-1.098x cuBLAS's time, the epilogue 241-355 FLOPs a logit; not yet in a whole call.
+    scaled_exp_gemm_efficiency: float = 0.96
+    scaled_exp_epilogue_flops: float = 300.0
     # "scaled_exp_ws"'s warp-specialised Gluon GEMM (the same epilogue, its row sums stored slot-major) against
     # cuBLAS's. MEASURED on the H200 alone at 4096-row chunks of four small heads: 0.958-0.977x cuBLAS's time
     # (results/2026-12-02-h200-gluon-gemm/gluon_rowsum_probe.log, full_t), taken as 1.0.
@@ -108,8 +112,11 @@ def _derived(dense_tflops: float, hbm_tbs: float) -> DeviceRates:
 
 
 # H100: DERIVED rates; the scaled-exp terms FITTED to its sweep of both forms at 256 rows to one chunk, the nine bench
-# shapes (results/2026-12-05-h100, ``slab_forms_2026_12_06``): the faster form at 53 of 54, 0.7 ms lost
-_H100 = _derived(989, 3.35)._replace(scaled_exp_gemm_efficiency=0.94, scaled_exp_chunk_overhead=1e-13)
+# shapes (results/2026-12-05-h100, ``slab_forms_2026_12_06``): the faster form at 53 of 54, 0.7 ms lost, the two
+# forms' time ratio within 1.8% on average (5.8% at worst)
+_H100 = _derived(989, 3.35)._replace(
+    scaled_exp_gemm_efficiency=1.0, scaled_exp_epilogue_flops=600.0, scaled_exp_chunk_overhead=1e-13
+)
 
 RATES: dict[str, DeviceRates] = {
     "H200": DeviceRates(_H200_FLOPS, _H200_BYTES),
@@ -179,8 +186,11 @@ def predict_seconds(
     )
     terms = {
         "gemm": (gemms - 1 if filtered else gemms) * one_gemm,
-        # the scaled-exp slab's logits GEMM (its epilogue) over cuBLAS's
-        "scaled_exp_epilogue": one_gemm * (1.0 / gemm_efficiency - 1.0) if scaled_exp else 0.0,
+        # the scaled-exp slab's logits GEMM over cuBLAS's: its main loop, and the Triton GEMM's epilogue per logit
+        "scaled_exp_epilogue": one_gemm * (1.0 / gemm_efficiency - 1.0)
+        + (0.0 if ws else rates.scaled_exp_epilogue_flops * p.tokens * p.vocab / rates.matmul_flops)
+        if scaled_exp
+        else 0.0,
         "scaled_exp_chunks": rates.scaled_exp_chunk_overhead * weight_elems * geometry.num_chunks
         if scaled_exp
         else 0.0,
