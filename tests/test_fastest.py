@@ -170,6 +170,11 @@ def test_explain_predicts_with_the_accumulation_and_rates_the_strategy_planned()
         ({"matmul_flops": 7e14, "hbm_bytes_per_s": 4.6e12, "ce_efficiency": 1.5}, "rates.ce_efficiency", "(0, 1]"),
         ({"matmul_flops": 7e14}, "rates", "missing hbm_bytes_per_s"),
         ([7e14, 4.6e12], "rates", "rates must be a mapping"),
+        (
+            {"matmul_flops": 7e14, "hbm_bytes_per_s": 4.6e12, "scaled_exp_epilogue_flops": -1},
+            "rates.scaled_exp_epilogue_flops",
+            "must be finite and >= 0, got -1",
+        ),
     ],
 )
 def test_bad_rates_name_the_rate(rates, param, fragment):
@@ -191,6 +196,12 @@ def test_rates_written_as_yaml_reads_them_are_numbers():
     assert as_strings.planned_rates(H200) == DeviceRates(7.0e14, 4.6e12)
     picked = [s.geometry(problem, H200) for s in (as_strings, as_numbers)]
     assert picked[0].chunk_size == picked[1].chunk_size and picked[0].vocab_chunk == picked[1].vocab_chunk
+
+
+def test_an_epilogue_of_nothing_is_a_rate_it_takes():
+    # a GPU whose exp epilogue hides under its GEMM: 0 FLOPs a logit is a value, not a missing rate
+    rates = {"matmul_flops": 7e14, "hbm_bytes_per_s": 4.6e12, "scaled_exp_epilogue_flops": 0}
+    assert Fastest(max_slab="256MiB", rates=rates).planned_rates(H200).scaled_exp_epilogue_flops == 0.0
 
 
 def test_rates_so_small_that_every_prediction_overflows_are_refused():
