@@ -458,21 +458,62 @@ def modelled_form_rows(shape, rates, form, chunks=(512, 1024, 2048, 4096)):
     return rows
 
 
-def test_calibration_keeps_the_familys_slab_form_terms():
-    # the H100's scaled-exp terms (its GEMM epilogue's efficiency, seconds per chunk) are its own, measured: the
-    # fit recovers the GEMM rate and bandwidth around them exactly, and keeps them
+def test_calibration_fits_the_slab_form_terms_where_both_slabs_ran():
+    # rows made by the model at terms other than the H100's (on the fit's grid): the two rates and the three
+    # scaled-exp terms come back exactly
     from flce_policy.plan.cost_model import RATES
 
     h100 = DeviceInfo.synthetic("H100")
-    made = RATES["H100"]._replace(matmul_flops=5.5e14, hbm_bytes_per_s=2.9e12)
-    assert made.scaled_exp_chunk_overhead > 0 and made.scaled_exp_gemm_efficiency != 0.86  # not the defaults
+    made = RATES["H100"]._replace(
+        matmul_flops=5.5e14,
+        hbm_bytes_per_s=2.9e12,
+        scaled_exp_gemm_efficiency=0.92,
+        scaled_exp_epilogue_flops=400.0,
+        scaled_exp_chunk_overhead=5e-14,
+    )
     records = modelled_rows(GEMMA, made) + modelled_rows(LONG, made)
     records += modelled_form_rows(GEMMA, made, "scaled_exp_rows") + modelled_form_rows(LONG, made, "scaled_exp_rows")
+    assert len(tune.form_pairs(records)) == 8
     rates, worst = tune.calibrate(records, h100)
     assert rates.matmul_flops == pytest.approx(5.5e14, rel=1e-9)
     assert rates.hbm_bytes_per_s == pytest.approx(2.9e12, rel=1e-9)
     assert rates._replace(matmul_flops=made.matmul_flops, hbm_bytes_per_s=made.hbm_bytes_per_s) == made
     assert worst < 1e-9
+
+
+def test_calibration_keeps_the_familys_slab_form_terms_with_the_logits_slab_alone():
+    # nothing to fit them to: the H100's measured terms stay, and the two rates are fitted around them
+    from flce_policy.plan.cost_model import RATES
+
+    made = RATES["H100"]._replace(matmul_flops=5.5e14, hbm_bytes_per_s=2.9e12)
+    records = modelled_rows(GEMMA, made) + modelled_rows(LONG, made)
+    assert tune.form_pairs(records) == []
+    rates, worst = tune.calibrate(records, DeviceInfo.synthetic("H100"))
+    assert rates._replace(matmul_flops=made.matmul_flops, hbm_bytes_per_s=made.hbm_bytes_per_s) == made
+    assert rates.matmul_flops == pytest.approx(5.5e14, rel=1e-9) and worst < 1e-9
+
+
+def test_calibration_on_the_committed_h100_sweep_tells_the_slabs_apart():
+    # the H100's sweep of both slabs at the nine shapes, calibrated as on a GPU of unknown terms (B200's table: the
+    # defaults): the fitted terms predict the slabs' time ratio within 2.5% on average, and pick the faster slab
+    import json
+    from pathlib import Path
+
+    from flce_policy.plan.cost_model import form_ratio_error, predict_seconds
+
+    path = Path(__file__).resolve().parents[1] / "results/2026-12-05-h100/bench.json"
+    documents = json.loads(path.read_text())["slab_forms_2026_12_06"].values()
+    records = [Record.from_dict(r) for document in documents for r in document["records"]]
+    pairs = tune.form_pairs(records)
+    assert len(pairs) == 54
+    rates, _ = tune.calibrate(records, DeviceInfo.synthetic("B200"))
+    assert form_ratio_error(pairs, rates) <= 0.025
+    right = sum(
+        (predict_seconds(p.scaled_exp, rates).seconds < predict_seconds(p.logits, rates).seconds)
+        == (p.scaled_exp_seconds < p.logits_seconds)
+        for p in pairs
+    )
+    assert right >= 52, right
 
 
 @pytest.mark.parametrize(

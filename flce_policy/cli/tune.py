@@ -19,7 +19,9 @@ whose worst shape is closest. The smallest, because memory a slab does not take 
 rest of the training step keeps.
 
 The same measurements (and the three-GEMM floor) calibrate the cost model: the GEMM rate and
-HBM bandwidth that best explain them (:func:`flce_policy.plan.cost_model.fit_rates`). With
+HBM bandwidth that best explain them (:func:`flce_policy.plan.cost_model.fit_rates`), and where
+chunk sizes ran on both the logits slab and a scaled-exp slab, the scaled-exp GEMM's terms that best
+predict how much faster one is than the other (:func:`flce_policy.plan.cost_model.fit_form_terms`). With
 ``--strategy fastest`` the rule is instead a ``fastest`` strategy carrying those rates, under the
 same limits (``max_slab``, and ``max_peak`` on the predicted peak).
 
@@ -55,7 +57,16 @@ from flce_policy.benchmarks.cli import (
 from flce_policy.benchmarks.methods import FIXED_FAMILIES
 from flce_policy.benchmarks.suite import Record, format_shape
 from flce_policy.engine.policy import DeviceRule, FLCEPolicy
-from flce_policy.plan.cost_model import DeviceRates, fit_rates, predict_seconds, rate_coefficients, rates_for
+from flce_policy.plan.cost_model import (
+    DeviceRates,
+    FormPair,
+    fit_form_terms,
+    fit_rates,
+    form_ratio_error,
+    predict_seconds,
+    rate_coefficients,
+    rates_for,
+)
 from flce_policy.plan.device import DeviceInfo
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.measuring import (
@@ -85,6 +96,7 @@ __all__ = [
     "rule_match",
     "tuned_policy",
     "calibrate",
+    "form_pairs",
     "render",
     "main",
 ]
@@ -299,26 +311,62 @@ def rule_match(device: DeviceInfo) -> str:
 def calibrate(records: Iterable[Record], device: DeviceInfo, *, dtype: str = "bfloat16"):
     """The device's cost-model rates fitted to the measured fixed-chunk rows of ours (each at its
     own accumulation) and the floor, and the worst ``|predicted / measured - 1|`` with them;
-    ValueError when they cannot be fitted."""
-    base = rates_for(device)  # its other terms (the slab forms' efficiencies and per-chunk seconds) are kept
-    samples, rows = [], []
-    for record in records:
-        if record.median_ms is None:
-            continue
-        if record.family == "floor":
-            tokens, hidden, vocab = record.shape
-            samples.append((6.0 * tokens * hidden * vocab, 0.0, record.median_ms / 1e3))
-        elif record.family in _FORM_OF_FAMILY and record.chunk_size:
-            form = _FORM_OF_FAMILY[record.family]
-            geometry = Geometry.for_problem(Problem(*record.shape, dtype=dtype), record.chunk_size, slab_form=form)
-            accum_dtype = "float32" if record.accum == "fp32" else None
-            flop, byte, fixed = rate_coefficients(geometry, accum_dtype=accum_dtype, base=base)
-            samples.append((flop, byte, record.median_ms / 1e3 - fixed))
-            rows.append((geometry, accum_dtype, record.median_ms / 1e3))
-    rates = fit_rates(samples, base)
-    errors = (abs(predict_seconds(g, rates, accum_dtype=a).seconds / t - 1) for g, a, t in rows)
+    ValueError when they cannot be fitted. Where chunk sizes were measured on the logits slab and a scaled-exp slab
+    of the Triton GEMM, the scaled-exp terms are fitted to them too (:func:`form_pairs`); else the family's kept."""
+    records = list(records)
+    rates = fit_rates(_rate_samples(records, rates_for(device), dtype), rates_for(device))
+    pairs = form_pairs(records, dtype)
+    for _ in range(_FORM_FIT_ROUNDS if pairs else 0):
+        # the terms around the two rates, then the two rates around the terms, until the terms settle
+        fitted, _ = fit_form_terms(pairs, rates)
+        settled = fitted == rates
+        rates = fit_rates(_rate_samples(records, fitted, dtype), fitted)
+        if settled:
+            break
+    errors = (abs(predict_seconds(g, rates, accum_dtype=a).seconds / t - 1) for g, a, t in _timed_rows(records, dtype))
     worst = max(errors, default=0.0)
     return rates, worst
+
+
+#: At most this many rounds of fitting the scaled-exp terms and the two rates in turn.
+_FORM_FIT_ROUNDS = 5
+
+
+def _timed_rows(records: Iterable[Record], dtype: str) -> list[tuple[Geometry, str | None, float]]:
+    """(geometry, accumulation, measured seconds) of every fixed-chunk row of ours measured."""
+    rows = []
+    for record in records:
+        if record.median_ms is not None and record.family in _FORM_OF_FAMILY and record.chunk_size:
+            form = _FORM_OF_FAMILY[record.family]
+            geometry = Geometry.for_problem(Problem(*record.shape, dtype=dtype), record.chunk_size, slab_form=form)
+            rows.append((geometry, "float32" if record.accum == "fp32" else None, record.median_ms / 1e3))
+    return rows
+
+
+def _rate_samples(records: Iterable[Record], base: DeviceRates, dtype: str) -> list[tuple[float, float, float]]:
+    """:func:`fit_rates`'s samples: the floors, and the rows priced at ``base``'s other terms (the family's slab-form
+    efficiencies and seconds a chunk, taken off the measured times)."""
+    samples = []
+    for record in records:
+        if record.family == "floor" and record.median_ms:
+            tokens, hidden, vocab = record.shape
+            samples.append((6.0 * tokens * hidden * vocab, 0.0, record.median_ms / 1e3))
+    for geometry, accum_dtype, seconds in _timed_rows(records, dtype):
+        flop, byte, fixed = rate_coefficients(geometry, accum_dtype=accum_dtype, base=base)
+        samples.append((flop, byte, seconds - fixed))
+    return samples
+
+
+def form_pairs(records: Iterable[Record], dtype: str = "bfloat16") -> list[FormPair]:
+    """Each chunk size (shape, rows, accumulation) measured on the logits slab and on a Triton-GEMM scaled-exp form
+    (the row-scaled one or per tile; the warp-specialised GEMM has its own rate, not fitted here)."""
+    timed = {(g.problem, g.chunk_size, g.slab_form, a): (g, t) for g, a, t in _timed_rows(records, dtype)}
+    pairs = []
+    for (problem, rows, form, accum), (geometry, seconds) in timed.items():
+        if form in ("scaled_exp_rows", "scaled_exp") and (problem, rows, "logits", accum) in timed:
+            logits, logits_seconds = timed[problem, rows, "logits", accum]
+            pairs.append(FormPair(logits, geometry, logits_seconds, seconds))
+    return pairs
 
 
 def tuned_policy(
@@ -625,6 +673,13 @@ def run(args: argparse.Namespace) -> int:
             f"{rates.hbm_bytes_per_s / 1e12:.2f} TB/s (table: {_rates_text(rates_for(device))}); "
             f"worst |model/measured - 1| {worst:.1%}"
         )
+        pairs = form_pairs(records)
+        if pairs:
+            about.append(
+                f"scaled-exp slab fitted here: {_form_terms_text(rates)} "
+                f"(table: {_form_terms_text(rates_for(device))}); its time over the logits slab's within "
+                f"{form_ratio_error(pairs, rates):.1%} on average at {len(pairs)} chunk sizes"
+            )
         if args.strategy == "fastest":
             strategy = on_slab_form(_fastest(rates, limits, args.accum), choice.slab_form)
     except ValueError as err:
@@ -694,6 +749,13 @@ def _changed_families(policy: FLCEPolicy, device: DeviceInfo, out: Path) -> str:
     return (
         f"WARNING: {out} moves {len(others)} other known GPU families from their packaged rules to the default "
         f"{policy.default_strategy!r}: {', '.join(others)}; without --no-packaged-rules tune keeps their rules"
+    )
+
+
+def _form_terms_text(rates: DeviceRates) -> str:
+    return (
+        f"main loop {rates.scaled_exp_gemm_efficiency:.2f} of cuBLAS's, epilogue {rates.scaled_exp_epilogue_flops:.0f} "
+        f"GEMM FLOPs a logit, {rates.scaled_exp_chunk_overhead:.0e} s a chunk per [V, H] element"
     )
 
 

@@ -67,6 +67,9 @@ __all__ = [
     "TimeEstimate",
     "rate_coefficients",
     "fit_rates",
+    "FormPair",
+    "fit_form_terms",
+    "form_ratio_error",
 ]
 
 
@@ -279,3 +282,59 @@ def fit_rates(samples: Iterable[tuple[float, float, float]], base: DeviceRates) 
             "the model does not describe them; keep the table's rates"
         )
     return base._replace(matmul_flops=1.0 / u, hbm_bytes_per_s=1.0 / v)
+
+
+class FormPair(NamedTuple):
+    """One chunk geometry measured on the logits slab and on a Triton-GEMM scaled-exp form, seconds each."""
+
+    logits: Geometry
+    scaled_exp: Geometry
+    logits_seconds: float
+    scaled_exp_seconds: float
+
+
+#: The grid :func:`fit_form_terms` searches: the Triton GEMM's main loop against cuBLAS's, its epilogue in GEMM FLOPs
+#: a logit, the seconds a chunk costs per ``[V, H]`` element (the H100's fit: 1.0, 600, 1e-13; the H200's kernel log:
+#: 0.96, 300).
+FORM_TERM_GRID = (
+    (0.88, 0.92, 0.96, 1.0),
+    tuple(range(0, 1250, 50)),
+    (0.0, 2e-14, 5e-14, 1e-13, 2e-13, 5e-13),
+)
+
+
+def fit_form_terms(pairs: Iterable[FormPair], base: DeviceRates) -> tuple[DeviceRates, float]:
+    """``base`` with the scaled-exp terms (``scaled_exp_gemm_efficiency``, ``scaled_exp_epilogue_flops``,
+    ``scaled_exp_chunk_overhead``) of :data:`FORM_TERM_GRID` that best predict how much faster one slab is than the
+    other, and that mean ``|predicted ratio / measured ratio - 1|``. ValueError without a pair."""
+    pairs = list(pairs)
+    if not pairs:
+        raise ValueError("no chunk size was measured on both the logits slab and a scaled-exp slab")
+    best: tuple[float, DeviceRates] | None = None
+    for efficiency in FORM_TERM_GRID[0]:
+        for epilogue in FORM_TERM_GRID[1]:
+            for overhead in FORM_TERM_GRID[2]:
+                rates = base._replace(
+                    scaled_exp_gemm_efficiency=efficiency,
+                    scaled_exp_epilogue_flops=float(epilogue),
+                    scaled_exp_chunk_overhead=overhead,
+                )
+                error = form_ratio_error(pairs, rates)
+                if best is None or error < best[0]:
+                    best = (error, rates)
+    assert best is not None
+    return best[1], best[0]
+
+
+def form_ratio_error(pairs: Iterable[FormPair], rates: DeviceRates) -> float:
+    """The mean ``|predicted / measured - 1|`` of the scaled-exp slab's time over the logits slab's, at ``rates``."""
+    errors = [
+        abs(
+            predict_seconds(pair.scaled_exp, rates).seconds
+            / predict_seconds(pair.logits, rates).seconds
+            / (pair.scaled_exp_seconds / pair.logits_seconds)
+            - 1
+        )
+        for pair in pairs
+    ]
+    return sum(errors) / len(errors)
