@@ -620,6 +620,15 @@ def test_json_reports_what_was_written_and_measured(tmp_path, capsys, monkeypatc
     assert data["chosen_slab_form"] == "logits"
     chunks = [256, 512, 1024, 2048, 4096, 8192]
     assert [r["chunk_size"] for r in data["records"]] == [None, *chunks, *chunks, *chunks, *chunks]  # four slab forms
+    # both Triton scaled-exp slabs ran at every chunk size: their terms were fitted, and how well they predict the
+    # stub's 5% over the logits slab is reported
+    calibrated = data["calibrated_rates"]
+    assert set(calibrated) == {
+        "matmul_flops", "hbm_bytes_per_s", "scaled_exp_gemm_efficiency", "scaled_exp_epilogue_flops",
+        "scaled_exp_chunk_overhead", "scaled_exp_ratio_error",
+    }  # fmt: skip
+    assert 0 <= calibrated["scaled_exp_ratio_error"] < 0.05
+    assert "scaled-exp slab fitted here: main loop" in out.read_text()
     assert f"wrote {out}" in err  # the messages stay on stderr
 
 

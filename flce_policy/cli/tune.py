@@ -730,12 +730,24 @@ def _summary(
         "chosen_max_slab": choice.max_slab,
         "chosen_slab_form": choice.slab_form,
         "within_tolerance": choice.within_tolerance,
-        "calibrated_rates": None
-        if rates is None
-        else {"matmul_flops": rates.matmul_flops, "hbm_bytes_per_s": rates.hbm_bytes_per_s},
+        "calibrated_rates": None if rates is None else _calibrated(rates, form_pairs(records)),
         "changed_families": [d.family for d in DeviceInfo.known() if not policy.same_strategy_as(packaged, d)],
         "records": [r.to_dict() for r in records],
     }
+
+
+def _calibrated(rates: DeviceRates, pairs: list[FormPair]) -> dict[str, float]:
+    """``--json``'s calibration: the two rates, and the scaled-exp terms where they were fitted (with the mean error
+    of the scaled-exp slab's predicted time over the logits slab's)."""
+    calibrated = {"matmul_flops": rates.matmul_flops, "hbm_bytes_per_s": rates.hbm_bytes_per_s}
+    if pairs:
+        calibrated.update(
+            scaled_exp_gemm_efficiency=rates.scaled_exp_gemm_efficiency,
+            scaled_exp_epilogue_flops=rates.scaled_exp_epilogue_flops,
+            scaled_exp_chunk_overhead=rates.scaled_exp_chunk_overhead,
+            scaled_exp_ratio_error=form_ratio_error(pairs, rates),
+        )
+    return calibrated
 
 
 def _changed_families(policy: FLCEPolicy, device: DeviceInfo, out: Path) -> str:
