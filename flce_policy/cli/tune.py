@@ -665,7 +665,7 @@ def run(args: argparse.Namespace) -> int:
             except ValueError as err:
                 about.append(f"the {form} slab: nothing chosen ({err})")
     choice = choose_slab_form(logits, *(choices.get(form) for form in _SCALED_FORMS))
-    strategy, rates = None, None
+    strategy, calibrated = None, None
     try:
         rates, worst = calibrate(records, device)
         about.append(
@@ -674,11 +674,12 @@ def run(args: argparse.Namespace) -> int:
             f"worst |model/measured - 1| {worst:.1%}"
         )
         pairs = form_pairs(records)
+        calibrated = _calibrated(rates, pairs)
         if pairs:
             about.append(
                 f"scaled-exp slab fitted here: {_form_terms_text(rates)} "
                 f"(table: {_form_terms_text(rates_for(device))}); its time over the logits slab's within "
-                f"{form_ratio_error(pairs, rates):.1%} on average at {len(pairs)} chunk sizes"
+                f"{calibrated['scaled_exp_ratio_error']:.1%} on average at {len(pairs)} chunk sizes"
             )
         if args.strategy == "fastest":
             strategy = on_slab_form(_fastest(rates, limits, args.accum), choice.slab_form)
@@ -707,7 +708,8 @@ def run(args: argparse.Namespace) -> int:
     )
     print(_changed_families(policy, device, out), file=sys.stderr)
     if args.json:
-        print(json.dumps(_summary(out, device, policy, choice, limits, rates, records), indent=2, allow_nan=False))
+        summary = _summary(out, device, policy, choice, limits, calibrated, records)
+        print(json.dumps(summary, indent=2, allow_nan=False))
     return 0
 
 
@@ -717,10 +719,11 @@ def _summary(
     policy: FLCEPolicy,
     choice: Choice,
     limits: Limits,
-    rates: DeviceRates | None,
+    calibrated: dict[str, float] | None,
     records: Sequence[Record],
 ) -> dict:
-    """``--json``: the file written, its tuned rule, the limits, the choice, the calibration and the measurements."""
+    """``--json``: the file written, its tuned rule, the limits, the choice, the calibration (:func:`_calibrated`)
+    and the measurements."""
     packaged = FLCEPolicy.packaged()
     return {
         "out": str(out),
@@ -730,7 +733,7 @@ def _summary(
         "chosen_max_slab": choice.max_slab,
         "chosen_slab_form": choice.slab_form,
         "within_tolerance": choice.within_tolerance,
-        "calibrated_rates": None if rates is None else _calibrated(rates, form_pairs(records)),
+        "calibrated_rates": calibrated,
         "changed_families": [d.family for d in DeviceInfo.known() if not policy.same_strategy_as(packaged, d)],
         "records": [r.to_dict() for r in records],
     }

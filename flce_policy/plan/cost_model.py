@@ -310,6 +310,8 @@ def fit_form_terms(pairs: Iterable[FormPair], base: DeviceRates) -> tuple[Device
     pairs = list(pairs)
     if not pairs:
         raise ValueError("no chunk size was measured on both the logits slab and a scaled-exp slab")
+    # the logits slab's predictions hold no scaled-exp term: the same at every point of the grid
+    logits_seconds = [predict_seconds(pair.logits, base).seconds for pair in pairs]
     best: tuple[float, DeviceRates] | None = None
     for efficiency in FORM_TERM_GRID[0]:
         for epilogue in FORM_TERM_GRID[1]:
@@ -319,7 +321,7 @@ def fit_form_terms(pairs: Iterable[FormPair], base: DeviceRates) -> tuple[Device
                     scaled_exp_epilogue_flops=float(epilogue),
                     scaled_exp_chunk_overhead=overhead,
                 )
-                error = form_ratio_error(pairs, rates)
+                error = _ratio_error(pairs, logits_seconds, rates)
                 if best is None or error < best[0]:
                     best = (error, rates)
     assert best is not None
@@ -328,13 +330,16 @@ def fit_form_terms(pairs: Iterable[FormPair], base: DeviceRates) -> tuple[Device
 
 def form_ratio_error(pairs: Iterable[FormPair], rates: DeviceRates) -> float:
     """The mean ``|predicted / measured - 1|`` of the scaled-exp slab's time over the logits slab's, at ``rates``."""
+    pairs = list(pairs)
+    return _ratio_error(pairs, [predict_seconds(pair.logits, rates).seconds for pair in pairs], rates)
+
+
+def _ratio_error(pairs: list[FormPair], logits_seconds: list[float], rates: DeviceRates) -> float:
     errors = [
         abs(
-            predict_seconds(pair.scaled_exp, rates).seconds
-            / predict_seconds(pair.logits, rates).seconds
-            / (pair.scaled_exp_seconds / pair.logits_seconds)
+            predict_seconds(pair.scaled_exp, rates).seconds / logits / (pair.scaled_exp_seconds / pair.logits_seconds)
             - 1
         )
-        for pair in pairs
+        for pair, logits in zip(pairs, logits_seconds, strict=True)
     ]
     return sum(errors) / len(errors)
