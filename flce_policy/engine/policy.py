@@ -20,7 +20,6 @@ from flce_policy.engine.config import (
     load_yaml_text,
     parse_config,
 )
-from flce_policy.engine.faster_geometry import FasterGeometry, faster_within
 from flce_policy.engine.measured_entry import MeasuredEntry, Trial
 from flce_policy.engine.measured_head import MeasuredHead
 from flce_policy.engine.planned import form_choice, planned_geometry
@@ -513,7 +512,6 @@ class FLCEPolicy:
             "grad_weight_filter_rescue": geometry.grad_weight_filter_rescue,
             "slab_form": geometry.slab_form,
             "slab_form_reason": form_reason,
-            "faster_within": _faster_dict(faster_within(geometry, strategy, device)),
             **self._measured_dict(problem, device, strategy),
             **_filter_times(geometry, rates),
             **tp,
@@ -578,7 +576,6 @@ class FLCEPolicy:
                 f"that peak: {format_bytes(d['predicted_peak_bytes'] + d['gathered_head_bytes'])} on the rank",
             ),
             ("Time", f"{d['predicted_ms']:.1f} ms predicted for fwd+bwd (cost model at {rates_text})"),
-            *([("Faster", d["faster_within"]["summary"])] if d["faster_within"] else []),
             *(
                 [("Collectives", _collectives_note(d["tp_collectives"], problem.tp_size))]
                 if problem.tp_size > 1
@@ -614,23 +611,6 @@ class FLCEPolicy:
             f"grad_weight_filter_rescue={self.default_grad_weight_filter_rescue!r}, "
             f"slab_form={self.default_slab_form!r}, source={self.source!r})"
         )
-
-
-def _faster_dict(faster: FasterGeometry | None) -> dict[str, Any] | None:
-    """explain's ``faster_within`` key: the geometry predicted faster in the same memory, or None."""
-    if faster is None:
-        return None
-    geometry = faster.geometry
-    return {
-        "chunk_size": geometry.chunk_size,
-        "vocab_chunk": geometry.vocab_chunk,
-        "slab_form": geometry.slab_form,
-        "slab_bytes": geometry.slab_bytes,
-        "predicted_ms": round(faster.predicted_s * 1e3, 3),
-        "strategy": faster.strategy.config_name(),
-        "params": faster.strategy.get_params(),
-        "summary": faster.describe(),
-    }
 
 
 def _measured_note(measured: dict[str, Any] | None, device: DeviceInfo, bucket: str) -> str:
