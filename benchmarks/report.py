@@ -113,7 +113,7 @@ def _floor_check(shape: Shape, by_name: dict[str, Record], method: str, target: 
 
 
 def _prediction_check(shape: Shape, rows: Sequence[Record]) -> Check:
-    target = "max |pred/meas - 1| over ours"
+    target = "max |peak pred/meas - 1| over ours"
     ours = [(r, r.pred_over_meas) for r in rows if _is_ours(r) and r.pred_over_meas is not None]
     if not ours:
         return Check(shape, target, None, PREDICTION_TOLERANCE, "%", "no row of ours with a measured peak")
