@@ -314,16 +314,18 @@ def calibrate(records: Iterable[Record], device: DeviceInfo, *, dtype: str = "bf
     ValueError when they cannot be fitted. Where chunk sizes were measured on the logits slab and a scaled-exp slab
     of the Triton GEMM, the scaled-exp terms are fitted to them too (:func:`form_pairs`); else the family's kept."""
     records = list(records)
-    rates = fit_rates(_rate_samples(records, rates_for(device), dtype), rates_for(device))
-    pairs = form_pairs(records, dtype)
+    timed = _timed_rows(records, dtype)
+    floors = _floor_samples(records)
+    rates = fit_rates(floors + _rate_samples(timed, rates_for(device)), rates_for(device))
+    pairs = _form_pairs(timed)
     for _ in range(_FORM_FIT_ROUNDS if pairs else 0):
         # the terms around the two rates, then the two rates around the terms, until the terms settle
         fitted, _ = fit_form_terms(pairs, rates)
         settled = fitted == rates
-        rates = fit_rates(_rate_samples(records, fitted, dtype), fitted)
+        rates = fit_rates(floors + _rate_samples(timed, fitted), fitted)
         if settled:
             break
-    errors = (abs(predict_seconds(g, rates, accum_dtype=a).seconds / t - 1) for g, a, t in _timed_rows(records, dtype))
+    errors = (abs(predict_seconds(g, rates, accum_dtype=a).seconds / t - 1) for g, a, t in timed)
     worst = max(errors, default=0.0)
     return rates, worst
 
@@ -331,9 +333,12 @@ def calibrate(records: Iterable[Record], device: DeviceInfo, *, dtype: str = "bf
 #: At most this many rounds of fitting the scaled-exp terms and the two rates in turn.
 _FORM_FIT_ROUNDS = 5
 
+#: A fixed-chunk row of ours as measured: its geometry, accumulation dtype (None: the gradients') and seconds.
+_TimedRow = tuple[Geometry, str | None, float]
 
-def _timed_rows(records: Iterable[Record], dtype: str) -> list[tuple[Geometry, str | None, float]]:
-    """(geometry, accumulation, measured seconds) of every fixed-chunk row of ours measured."""
+
+def _timed_rows(records: Iterable[Record], dtype: str) -> list[_TimedRow]:
+    """Every fixed-chunk row of ours measured, with its geometry."""
     rows = []
     for record in records:
         if record.median_ms is not None and record.family in _FORM_OF_FAMILY and record.chunk_size:
@@ -343,15 +348,21 @@ def _timed_rows(records: Iterable[Record], dtype: str) -> list[tuple[Geometry, s
     return rows
 
 
-def _rate_samples(records: Iterable[Record], base: DeviceRates, dtype: str) -> list[tuple[float, float, float]]:
-    """:func:`fit_rates`'s samples: the floors, and the rows priced at ``base``'s other terms (the family's slab-form
-    efficiencies and seconds a chunk, taken off the measured times)."""
+def _floor_samples(records: Iterable[Record]) -> list[tuple[float, float, float]]:
+    """:func:`fit_rates`'s samples of the three-GEMM floors: their FLOPs and seconds."""
     samples = []
     for record in records:
-        if record.family == "floor" and record.median_ms:
+        if record.family == "floor" and record.median_ms is not None:
             tokens, hidden, vocab = record.shape
             samples.append((6.0 * tokens * hidden * vocab, 0.0, record.median_ms / 1e3))
-    for geometry, accum_dtype, seconds in _timed_rows(records, dtype):
+    return samples
+
+
+def _rate_samples(timed: Iterable[_TimedRow], base: DeviceRates) -> list[tuple[float, float, float]]:
+    """:func:`fit_rates`'s samples of the rows, priced at ``base``'s other terms (the family's slab-form
+    efficiencies and seconds a chunk, taken off the measured times)."""
+    samples = []
+    for geometry, accum_dtype, seconds in timed:
         flop, byte, fixed = rate_coefficients(geometry, accum_dtype=accum_dtype, base=base)
         samples.append((flop, byte, seconds - fixed))
     return samples
@@ -360,11 +371,15 @@ def _rate_samples(records: Iterable[Record], base: DeviceRates, dtype: str) -> l
 def form_pairs(records: Iterable[Record], dtype: str = "bfloat16") -> list[FormPair]:
     """Each chunk size (shape, rows, accumulation) measured on the logits slab and on a Triton-GEMM scaled-exp form
     (the row-scaled one or per tile; the warp-specialised GEMM has its own rate, not fitted here)."""
-    timed = {(g.problem, g.chunk_size, g.slab_form, a): (g, t) for g, a, t in _timed_rows(records, dtype)}
+    return _form_pairs(_timed_rows(records, dtype))
+
+
+def _form_pairs(timed: Iterable[_TimedRow]) -> list[FormPair]:
+    by_key = {(g.problem, g.chunk_size, g.slab_form, a): (g, t) for g, a, t in timed}
     pairs = []
-    for (problem, rows, form, accum), (geometry, seconds) in timed.items():
-        if form in ("scaled_exp_rows", "scaled_exp") and (problem, rows, "logits", accum) in timed:
-            logits, logits_seconds = timed[problem, rows, "logits", accum]
+    for (problem, rows, form, accum), (geometry, seconds) in by_key.items():
+        if form in ("scaled_exp_rows", "scaled_exp") and (problem, rows, "logits", accum) in by_key:
+            logits, logits_seconds = by_key[problem, rows, "logits", accum]
             pairs.append(FormPair(logits, geometry, logits_seconds, seconds))
     return pairs
 
