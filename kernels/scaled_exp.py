@@ -169,7 +169,9 @@ def _scaled_exp_gemm_kernel(
         else:
             m = tl.max(acc, axis=1)
         # one FMA and one exp2 per element: the epilogue's share of the GEMM is what the small heads pay over
-        # cuBLAS (a row maximum and a clamp more cost 2-3% of the GEMM at H <= 1024, H200, 2026-12-02)
+        # cuBLAS (a row maximum and a clamp more cost 2-3% of the GEMM at H <= 1024, H200, 2026-12-02). On the H100
+        # the exp2 is ~5% of this GEMM at H <= 1152 (8-12% over cuBLAS in all); half the tile's exp2 as a degree-4
+        # polynomial on the FMA pipe ran 1-4% slower, a split store with 4 stages within 1% (2026-12-06)
         # (an explicit fma: a compiler's choice to contract or not could differ between two variants of the kernel,
         # and the filter's variant must give the dense one's slab bit for bit)
         e = tl.exp2(tl.fma(acc, _LOG2E, -(m * _LOG2E)[:, None]))
