@@ -352,7 +352,7 @@ def _floor_samples(records: Iterable[Record]) -> list[tuple[float, float, float]
     """:func:`fit_rates`'s samples of the three-GEMM floors: their FLOPs and seconds."""
     samples = []
     for record in records:
-        if record.family == "floor" and record.median_ms is not None:
+        if record.family == "floor" and record.median_ms:
             tokens, hidden, vocab = record.shape
             samples.append((6.0 * tokens * hidden * vocab, 0.0, record.median_ms / 1e3))
     return samples
