@@ -52,7 +52,7 @@ __all__ = ["scaled_exp_logits"]
 #: chunks on the H200 (results/2026-12-01-small-heads/h200-persistent-tma.log; GROUP_M 16 over 8: 1-3% in a
 #: sweep of 2026-12-02, results/2026-12-02-h200-scaled-exp/); BLOCK_N is the workspace's slot, the plan's tile.
 #: The H100 keeps it: at the three smallest heads' chunks (busy start, 2026-12-06) GROUP_M 32 ran within 1%, GROUP_M
-#: 8, 64 or 128 3-8% slower, 256x128 tiles 5-8%, BLOCK_K 32 over 5 stages 6-9%, the tile loop unflattened 4-6%; Triton
+#: 8, 64 or 128 2-6% slower, 256x128 tiles 7-14%, BLOCK_K 32 over 5 stages 5-9%, the tile loop unflattened 4-6%; Triton
 #: 3.6's own Hopper warp specialisation (``tl.range(warp_specialize=True)``, in-kernel descriptors, 4 warps) compiled
 #: to wrong slabs, no faster, and failed to compile with a split store.
 _LAUNCH = (128, 64, 16, 8, 3)
