@@ -93,17 +93,20 @@ def skipped_share(inputs: Inputs, eps: float) -> float:
 def run_accuracy(inputs_list: Iterable[Inputs], methods: Sequence[Method]) -> list[AccuracyRecord]:
     records = []
     for inputs in inputs_list:
-        reference = chunked_fp32_reference(inputs.x, inputs.weight, inputs.target)
+        references: dict[float | None, tuple[torch.Tensor, ...]] = {}  # by the method's softcap
         for method in methods:
             if method.loss is None:
                 continue
-            record = method_errors(method, inputs, reference)
+            softcap = method.options.get("softcap")
+            if softcap not in references:
+                references[softcap] = chunked_fp32_reference(inputs.x, inputs.weight, inputs.target, softcap=softcap)
+            record = method_errors(method, inputs, references[softcap])
             eps = method.options.get("grad_weight_filter")
             if eps is not None and record.status == "ok":
                 record.skipped_tiles = skipped_share(inputs, eps)
             records.append(record)
             print(_format(record), flush=True)
-        del reference
+        del references
         gc.collect()
         torch.cuda.empty_cache()
     return records

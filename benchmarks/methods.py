@@ -77,6 +77,8 @@ FIXED_FAMILIES = {
 AUTO_FAMILY = "ours fixed auto"
 #: The family of the fixed logits-slab rows with grad_weight's GEMM on a side stream (Geometry.overlap_weight_grad).
 OVERLAP_FAMILY = "ours fixed overlap"
+#: The softcap of the ``*_softcap*`` rows: Gemma 2's and Gemma 4's ``final_logit_softcapping``.
+SOFTCAP = 30.0
 #: The peak limit of the lean Fastest row: under liger-kernel fp32 (8.20 GiB at 32768x5376x262144)
 #: by 5 GiB, and within it the two bf16 gradients (2.95 GiB there) and a 256 MiB slab.
 LEAN_PEAK = "3276MiB"
@@ -183,14 +185,16 @@ def ours(
     return build
 
 
-def liger(chunk_mem_const: int, accum_dtype: torch.dtype | None = None) -> Callable[[Inputs], LossFn]:
+def liger(
+    chunk_mem_const: int, accum_dtype: torch.dtype | None = None, softcap: float | None = None
+) -> Callable[[Inputs], LossFn]:
     def build(inputs: Inputs) -> LossFn:
         if importlib.util.find_spec("liger_kernel") is None:
             raise Unavailable("not installed")
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
         return lambda x, w: liger_fused_linear_cross_entropy(
-            x, w, inputs.target, chunk_mem_const=chunk_mem_const, accum_dtype=accum_dtype
+            x, w, inputs.target, chunk_mem_const=chunk_mem_const, accum_dtype=accum_dtype, softcap=softcap
         )
 
     return build
@@ -466,10 +470,35 @@ def default_methods(
                 plan=policy.resolve,
             )
         )
+    methods += softcap_methods(policy)
     methods.append(Method("quack", "quack", quack()))
     methods.append(Method("cce", "cce", cce()))
     methods.append(Method("cce_nofilter", "cce", cce(None)))
     methods.append(Method("eager", "eager", eager))
+    return methods
+
+
+def softcap_methods(policy: FLCEPolicy) -> list[Method]:
+    """Gemma's final-logit softcap (:data:`SOFTCAP`, bf16): the default policy with the loss's fp32 softcap, with
+    ``softcap_rounding="eager"`` (what ``apply_flce`` passes for Gemma: HF's numbers), pinned to the logits slab, and
+    Liger C=16 with its softcap. No plan: a softcap can move a call to the logits slab, which the plan does not show."""
+    ours_rows = {
+        f"ours_softcap{SOFTCAP:g}_bf16": {"softcap": SOFTCAP},
+        f"ours_softcap{SOFTCAP:g}_eager_bf16": {"softcap": SOFTCAP, "softcap_rounding": "eager"},
+        f"ours_softcap{SOFTCAP:g}_logits_bf16": {"softcap": SOFTCAP, "slab_form": "logits"},
+    }
+    methods = [
+        Method(name, "ours softcap", ours(lambda _inputs: policy, **options), options=options)
+        for name, options in ours_rows.items()
+    ]
+    methods.append(
+        Method(
+            f"liger_c16_softcap{SOFTCAP:g}_bf16",
+            "liger softcap",
+            liger(16, softcap=SOFTCAP),
+            options={"c": 16, "softcap": SOFTCAP},
+        )
+    )
     return methods
 
 

@@ -14,9 +14,16 @@ def rel_l2(value: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def chunked_fp32_reference(
-    x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, rows: int = 4096, ignore_index: int = -100
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    rows: int = 4096,
+    ignore_index: int = -100,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Mean CE of ``x @ W.T`` and its input/weight gradients in fp32 (TF32 off), ``rows`` at a time.
+    """Mean CE of ``x @ W.T`` (``softcap``: of ``softcap * tanh(x @ W.T / softcap)``) and its input/weight
+    gradients in fp32 (TF32 off), ``rows`` at a time.
 
     For shapes whose full fp32 logits (and their autograd copies) would not fit: softmax minus
     one-hot by hand, grad_weight summed in fp32 over the row blocks.
@@ -31,11 +38,16 @@ def chunked_fp32_reference(
         valid = yc != ignore_index
         safe_y = torch.where(valid, yc, 0)
         logits = xc @ w.t()
+        if softcap is not None:
+            tanh = torch.tanh(logits / softcap)
+            logits = tanh * softcap
         lse = torch.logsumexp(logits, dim=-1)
         loss += ((lse - logits.gather(1, safe_y[:, None])[:, 0]) * valid).sum()
         grad_logits = logits.sub_(lse[:, None]).exp_()
         grad_logits[torch.arange(len(yc), device=x.device), safe_y] -= 1.0
         grad_logits *= (valid.float() / valid_count)[:, None]
+        if softcap is not None:
+            grad_logits *= 1.0 - tanh.square()
         grad_x[start : start + rows] = grad_logits @ w
         grad_w += grad_logits.t() @ xc
     return loss / valid_count, grad_x, grad_w

@@ -36,7 +36,8 @@ DEFAULT_SHAPES: tuple[Shape, ...] = (
 
 #: Named sets for ``--shapes``: the heads of the 0.5B-3B models most people fine-tune on one GPU
 #: (Qwen2.5-0.5B, 1024x131072, Gemma-3-1B, Llama-3.2-1B, Qwen3-1.7B, Llama-3.2-3B) at 16384 tokens,
-#: and the large heads (Gemma-4 31B at 8k and 32k tokens, Llama-3 8B at 32k).
+#: the large heads (Gemma-4 31B at 8k and 32k tokens, Llama-3 8B at 32k), and the softcapped heads (Gemma-2 2B and
+#: 9B at 16384 tokens, Gemma-4 31B at 8k: the ``*_softcap30_*`` rows).
 SHAPE_SETS: dict[str, tuple[Shape, ...]] = {
     "default": DEFAULT_SHAPES,
     "small-heads": (
@@ -48,6 +49,7 @@ SHAPE_SETS: dict[str, tuple[Shape, ...]] = {
         (16384, 3072, 128256),
     ),
     "large-heads": ((8192, 5376, 262144), (32768, 5376, 262144), (32768, 4096, 128256)),
+    "softcap-heads": ((16384, 2304, 256000), (16384, 3584, 256000), (8192, 5376, 262144)),
 }
 
 _SHAPE_RE = re.compile(r"\s*([0-9]+)\s*[x×]\s*([0-9]+)\s*[x×]\s*([0-9]+)\s*", re.ASCII | re.IGNORECASE)

@@ -570,6 +570,7 @@ def ce_finish(
             entropy_rows=entropy_rows,
             filter_flags=filter_flags,
             filter_eps=filter_eps,
+            softcap=softcap,
         )
         return
     # Without a gradient only segment 0 has work (the row's loss): launch one program per row.

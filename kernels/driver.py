@@ -181,6 +181,7 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
                     row_scaled=row_scaled and not redo,
                     redo=redo,
                     flag_maxima=chunk_scratch is not None,
+                    softcap=params.softcap,
                 )
             elif bias is None:
                 torch.mm(x_chunk, weight_t, out=logits)
@@ -193,7 +194,8 @@ def _run_rows(call: DriverCall, outputs: DriverOutputs) -> None:
                 workspace=workspace,
                 ignore_index=params.ignore_index,
                 label_smoothing=params.label_smoothing,
-                softcap=params.softcap,
+                # a softcapped scaled-exp chunk is row-scaled (call_routing), its redo pass never flagged
+                softcap=None if scaled_exp and redo else params.softcap,
                 round_softcap=params.round_softcap,
                 z_loss_scale=params.z_loss_scale,
                 class_weight=class_weight,

@@ -8,12 +8,15 @@ The row-scaled GEMMs (Triton's and the Gluon one) write each partial plane slot-
 walks their slots in ``[BLOCK_S, BLOCK_R]`` blocks, loaded along the rows.
 
 Per row (``m`` its shift, the target logit; ``+inf`` where ignored), as :func:`.ce_kernel.ce_finish` computes it
-for other slabs (this form has no bias, label smoothing, softcap or vocab shard:
+for other slabs (this form has no bias, label smoothing or vocab shard:
 :func:`flce_policy.plan.scaled_exp.row_scaled`)::
 
     lse = m + log(sum_s d_s)        (every slot's exponentials are referenced to m)
     ce  = w_y * (lse - z_y),  zl = z_loss_scale * lse**2   (times p_y with token scaling)
     f   = coef_p * exp(m - lse)     (the gradient is f * slab, less the target's term coef_y: .target_grad)
+
+With a softcap ``c`` the logits are the capped ones (``z_y`` too, from the GEMM's target kernel) and the slab holds
+the derivative ``dz'/dz``; the target's term is ``coef_y`` times its own, ``(1 - z_y / c) (1 + z_y / c)``.
 
 With a grad_weight filter, each ``FLAG_COLS`` columns' flag byte from the GEMM's row maxima of ``exp(z - m)``
 (:func:`.weight_grad_filter.flag_codes`), written row-major as :mod:`.weight_grad_filter` reads them.
@@ -66,6 +69,7 @@ def _row_scaled_finish_kernel(
     z_loss_scale,
     filter_log_eps,
     filter_log2_eps,
+    softcap,
     HAS_WEIGHT: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
     TRACK_ARGMAX: tl.constexpr,
@@ -75,6 +79,7 @@ def _row_scaled_finish_kernel(
     WRITE_GRAD: tl.constexpr,
     SCALE_PER_ROW: tl.constexpr,
     FILTER: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     GROUPS_PER_SLOT: tl.constexpr,
     FLAG_COLS: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -141,7 +146,10 @@ def _row_scaled_finish_kernel(
         coef_p = coef_y
         if HAS_Z_LOSS:
             coef_p += scale_z * 2.0 * z_loss_scale * lse
-        tl.store(target_coef_ptr + rows, tl.where(live, coef_y, 0.0), mask=row_ok)
+        target_coef = coef_y
+        if SOFTCAP:  # 1 - tanh^2 as a product: 1 - t exact by Sterbenz where t is near 1
+            target_coef *= (1.0 - z_y / softcap) * (1.0 + z_y / softcap)
+        tl.store(target_coef_ptr + rows, tl.where(live, target_coef, 0.0), mask=row_ok)
         tl.store(row_scale_ptr + rows, tl.where(live, coef_p * tl.exp(m - lse), 0.0), mask=row_ok)
         if FILTER:
             # a flag per FLAG_COLS columns from the GEMM's row maxima of exp(z - m) (GROUPS_PER_SLOT per slot, in
@@ -182,10 +190,12 @@ def row_scaled_finish(
     entropy_rows: torch.Tensor | None = None,
     filter_flags: torch.Tensor | None = None,
     filter_eps: float = 0.0,
+    softcap: float | None = None,
 ) -> None:
     """:func:`.ce_kernel.ce_finish` for a row-scaled chunk of ``n_cols`` columns (``row_scaled=True``): the rows'
     losses and extras, their gradient scales and target coefficients into ``workspace``, and with ``filter_flags``
-    (and a gradient) the filter's flag bytes. Nothing is checked here (the driver calls it once per chunk)."""
+    (and a gradient) the filter's flag bytes; ``softcap``: the chunk's GEMM capped its logits
+    (:func:`.scaled_exp.scaled_exp_logits`). Nothing is checked here (the driver calls it once per chunk)."""
     ws = workspace
     n_rows = target.shape[0]
     block_r, block_s, num_warps = _LAUNCH
@@ -216,6 +226,7 @@ def row_scaled_finish(
         z_loss_scale,
         log_eps,
         log2_eps,
+        1.0 if softcap is None else softcap,
         HAS_WEIGHT=class_weight is not None,
         HAS_Z_LOSS=z_loss_rows is not None,
         TRACK_ARGMAX=argmax_rows is not None,
@@ -225,6 +236,7 @@ def row_scaled_finish(
         WRITE_GRAD=grad_scale is not None,
         SCALE_PER_ROW=scale_per_row,
         FILTER=filtering,
+        SOFTCAP=softcap is not None,
         GROUPS_PER_SLOT=ws.scaled_exp_tile // FILTER_COLS,
         FLAG_COLS=FILTER_COLS,
         BLOCK_R=block_r,

@@ -23,9 +23,10 @@ Why: a bf16 logit carries ``|z| 2^-9`` of rounding into ``p = exp(z - lse)`` (lo
 path's gradient error, 0.0076 relative); the stored exponential carries ``2^-9`` relative whatever
 ``z``. The target's one-hot term stays out of the slab (:mod:`.target_grad`). The per-tile form at
 4096x1024x32768 on the H200, logit std 4, against fp32: grad_input 0.0019, grad_weight 0.0031, against 0.0072
-for the logits slab (results/2026-12-02-h200-scaled-exp). The loss, ``lse`` and ``z_y`` are fp32. The softcap
-is not fused here (its gradient needs ``tanh`` per element): such calls run on the logits slab
-(:mod:`flce_policy.plan.scaled_exp`).
+for the logits slab (results/2026-12-02-h200-scaled-exp). The loss, ``lse`` and ``z_y`` are fp32. A softcap
+``z' = c tanh(z / c)`` (fp32, ``c <= SHIFT_LIMIT / 2``) runs in the row-scaled form only, whose slab then holds
+``exp(z' - z'_y)`` times ``dz'/dz`` (the per-tile form's finish would need ``tanh`` of each logit again); other
+softcapped calls run on the logits slab (:func:`flce_policy.plan.scaled_exp.call_routing`).
 """
 
 from __future__ import annotations
@@ -69,6 +70,24 @@ _TARGET_ROWS, _TARGET_HIDDEN = 1, 1024
 _INTERPRETED_PROGRAMS = 4
 
 
+@triton.jit
+def _softcapped(z, softcap, IEEE: tl.constexpr):
+    """``(z', r)``: ``z' = c tanh(z / c)`` and ``r = 1 / (1 + exp(2 |z| / c))``, whence ``dz'/dz = 4 r (1 - r)``
+    without the cancellation of ``1 - tanh^2`` where ``|z| >> c``, where that derivative is smallest."""
+    r = tl.fdiv(1.0, 1.0 + tl.exp2(tl.abs(z) * (2.0 * _LOG2E / softcap)), ieee_rounding=IEEE)
+    return tl.where(z < 0.0, -softcap, softcap) * (1.0 - 2.0 * r), r
+
+
+@triton.jit
+def _capped_exp(z, m, softcap, EVEN_N: tl.constexpr, IEEE: tl.constexpr):
+    """Row sums of ``exp(z' - m)`` for the softcapped ``z'`` of ``z``, and those exponentials times ``dz'/dz``."""
+    capped, r = _softcapped(z, softcap, IEEE)
+    if not EVEN_N:  # past V: z = -inf, its exponential 0
+        capped = tl.where(z == -float("inf"), z, capped)
+    e = tl.exp2(tl.fma(capped, _LOG2E, -(m * _LOG2E)[:, None]))
+    return tl.sum(e, axis=1), e * (4.0 * r * (1.0 - r))
+
+
 @functools.cache
 def _runs_gluon(device: torch.device) -> bool:
     """Whether ``device`` runs the Gluon GEMM: a Hopper GPU (sm_90), not under the interpreter."""
@@ -100,6 +119,7 @@ def _scaled_exp_gemm_kernel(
     n_rows,
     n_cols,
     hidden,
+    softcap,
     HAS_BIAS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
@@ -110,6 +130,7 @@ def _scaled_exp_gemm_kernel(
     ROW_SHIFT: tl.constexpr,
     REDO_ONLY: tl.constexpr,
     FLAG_MAXIMA: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     NUM_SLOTS: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -178,13 +199,23 @@ def _scaled_exp_gemm_kernel(
         # polynomial on the FMA pipe ran 1-4% slower, a split store with 4 stages within 1% (2026-12-06)
         # (an explicit fma: a compiler's choice to contract or not could differ between two variants of the kernel,
         # and the filter's variant must give the dense one's slab bit for bit)
-        e = tl.exp2(tl.fma(acc, _LOG2E, -(m * _LOG2E)[:, None]))
+        if SOFTCAP:  # row-scaled only (the plan's call_routing): no argmax, entropy, smoothing or redo
+            # the slab holds exp(z' - z'_y) times dz'/dz: the gradient with respect to z over the row's scale. Half
+            # a tile at a time: the exponentials (summed) and the derivatives of a whole tile live at once spill
+            lower, upper = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            lower_sum, lower = _capped_exp(lower, m, softcap, EVEN_N, IEEE)
+            upper_sum, upper = _capped_exp(upper, m, softcap, EVEN_N, IEEE)
+            tile_sum = lower_sum + upper_sum
+            e = tl.reshape(tl.permute(tl.join(lower, upper), (0, 2, 1)), (BLOCK_M, BLOCK_N))
+        else:
+            e = tl.exp2(tl.fma(acc, _LOG2E, -(m * _LOG2E)[:, None]))
         if ENTROPY:
             if EVEN_N:
                 tl.store(partials_ptr + 6 * plane + slot, tl.sum(e * acc, axis=1), mask=row_ok)
             else:  # past V, e = 0 and z = -inf: a floor on z makes 0 * z a 0 without the column mask live (spills)
                 tl.store(partials_ptr + 6 * plane + slot, tl.sum(e * tl.maximum(acc, -3.0e38), axis=1), mask=row_ok)
-        tile_sum = tl.sum(e, axis=1)
+        if not SOFTCAP:
+            tile_sum = tl.sum(e, axis=1)
         if IEEE:  # the interpreter truncates a cast to bf16: round to nearest first, as the GPU's cast does
             e = rounded(e, out_desc.dtype)
         stored = e.to(out_desc.dtype)
@@ -202,7 +233,7 @@ def _scaled_exp_gemm_kernel(
             else:
                 tl.static_assert(BLOCK_N == _FLAG_COLS, "one or two flag groups per tile")
                 tl.store(partials_ptr + 2 * plane + slot, tl.max(stored, axis=1).to(tl.float32), mask=row_ok)
-        if ROW_SHIFT:
+        if ROW_SHIFT and not SOFTCAP:  # capped logits lie within 2 * softcap <= SHIFT_LIMIT of the target's
             # a row whose logits lie more than SHIFT_LIMIT above its target's: the chunk is redone per tile. Each
             # such row writes the flag itself (the same 1: no race that matters); a max over the tile's rows first
             # would be a reduction across warps, through shared memory and a barrier, in every tile's epilogue
@@ -216,8 +247,8 @@ def _scaled_exp_gemm_kernel(
 @triton.jit
 def _target_logit_kernel(
     x_ptr, x_stride, w_ptr, w_stride, bias_ptr, target_ptr, out_ptr, out_stride, shift_ptr, redo_ptr, n_rows,
-    n_cols, hidden, ignore_index, HAS_BIAS: tl.constexpr, ROW_SHIFT: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    n_cols, hidden, ignore_index, softcap, HAS_BIAS: tl.constexpr, ROW_SHIFT: tl.constexpr, SOFTCAP: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     given = tl.load(target_ptr + rows, mask=rows < n_rows, other=-1)
@@ -232,6 +263,8 @@ def _target_logit_kernel(
         acc += tl.sum(xv.to(tl.float32) * wv.to(tl.float32), axis=1)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + target, mask=holds, other=0.0).to(tl.float32)
+    if SOFTCAP:  # z'_y, the row's shift and its loss's target logit (the finish takes dz'/dz from it)
+        acc, _ = _softcapped(acc, softcap, IEEE)
     tl.store(out_ptr + rows.to(tl.int64) * out_stride, acc, mask=holds)
     if ROW_SHIFT:  # the row-scaled form's shifts, and its redo flag cleared before the GEMM can set it
         shifted = holds & (given != ignore_index)
@@ -255,6 +288,7 @@ def scaled_exp_logits(
     row_scaled: bool = False,
     redo: bool = False,
     flag_maxima: bool = False,
+    softcap: float | None = None,
 ) -> None:
     """``slab [n, V] = exp(z - m_tile)`` for ``z = x_chunk @ weight.T (+ bias)``, and the rows' partials in
     ``workspace`` (made by :func:`.ce_kernel.ce_workspace` with ``scaled_exp=True``); the target logits first.
@@ -263,24 +297,29 @@ def scaled_exp_logits(
     the row's shift, and the workspace's redo flag set where a row's logits lie more than :data:`SHIFT_LIMIT`
     above its target's. ``redo``: the per-tile form again, over the same chunk, only where that flag is set
     (no tiles otherwise; the target logits are kept). ``flag_maxima`` (row-scaled only): each half tile's row
-    maxima of the slab's ``exp(z - z_y)`` too, for a grad_weight filter's flags (:func:`.row_scaled_finish`). Nothing is
-    checked here: a geometry has this slab form only where :mod:`flce_policy.plan.scaled_exp` says it can run."""
+    maxima of the slab's ``exp(z - z_y)`` too, for a grad_weight filter's flags (:func:`.row_scaled_finish`).
+    ``softcap`` (row-scaled only, without the argmax or the entropy): the logits ``z' = c tanh(z / c)``, the slab
+    ``exp(z' - z'_y) dz'/dz`` and no redo flag (capped logits lie within ``2 c <= SHIFT_LIMIT`` of the target's).
+    Nothing is checked here: a geometry has this slab form only where :mod:`flce_policy.plan.scaled_exp` says it can
+    run, and a call with a softcap only where its ``call_routing`` says so."""
     n_rows, hidden = x_chunk.shape
     n_cols = weight.shape[0]
     block_m, block_k, group_m, num_warps, num_stages = _LAUNCH
     ws = workspace
     block_n = ws.scaled_exp_tile
+    capped = softcap is not None and row_scaled
     if not redo:
         # z_y apart: picked out of the GEMM's tile it cost the epilogue 9-15% at the small heads (H200, 4096-row
         # chunks, proto sweep of 2026-12-02); a dot of two rows in fp32 is the same value up to summation order
         _target_logit_kernel[(triton.cdiv(n_rows, _TARGET_ROWS),)](
             x_chunk, x_chunk.stride(0), weight, weight.stride(0), bias, target, ws.partials[5],
             ws.partials.stride(1), ws.row_shift, ws.redo, n_rows, n_cols, hidden, ignore_index,
-            HAS_BIAS=bias is not None, ROW_SHIFT=row_scaled, BLOCK_R=_TARGET_ROWS, BLOCK_H=_TARGET_HIDDEN,
+            softcap if capped else 1.0, HAS_BIAS=bias is not None, ROW_SHIFT=row_scaled, SOFTCAP=capped,
+            IEEE=KERNELS_INTERPRETED, BLOCK_R=_TARGET_ROWS, BLOCK_H=_TARGET_HIDDEN,
         )  # fmt: skip
-    if row_scaled and not (track_argmax or entropy) and block_n == WS_TILE and _runs_gluon(slab.device):
-        # "scaled_exp_ws": the warp-specialised GEMM, the same slab and slots (the argmax and the entropy's sums
-        # it does not compute: such calls run this Triton GEMM in its tiles)
+    if row_scaled and not (track_argmax or entropy or capped) and block_n == WS_TILE and _runs_gluon(slab.device):
+        # "scaled_exp_ws": the warp-specialised GEMM, the same slab and slots (the argmax, the entropy's sums and
+        # a softcap it does not compute: such calls run this Triton GEMM in its tiles)
         maxima = ws.partials[2].view(-1) if flag_maxima else None
         launch_row_scaled_exp_gemm(
             x_chunk, weight, slab, ws.row_shift, ws.partials[1].view(-1), ws.partials.shape[1], ws.redo, maxima
@@ -302,6 +341,7 @@ def scaled_exp_logits(
         n_rows,
         n_cols,
         hidden,
+        softcap if capped else 1.0,
         HAS_BIAS=bias is not None,
         HAS_WEIGHT=class_weight is not None,
         HAS_SMOOTHING=label_smoothing > 0.0,
@@ -312,6 +352,7 @@ def scaled_exp_logits(
         ROW_SHIFT=row_scaled,
         REDO_ONLY=redo,
         FLAG_MAXIMA=row_scaled and flag_maxima,
+        SOFTCAP=capped,
         NUM_SLOTS=ws.slots,
         NUM_PROGRAMS=programs,
         BLOCK_M=block_m,

@@ -36,6 +36,19 @@ def test_an_exact_method_has_no_error_and_a_perturbed_one_has_its_error():
     assert abs(off.loss_error - float(reference[0])) < 1e-4
 
 
+def test_the_softcapped_reference_is_autograd_of_the_capped_logits():
+    inputs = _inputs(scale=40.0)  # logits of std ~40: the cap of 5 bends most of them
+    x, w = inputs.x.clone().requires_grad_(), inputs.weight.clone().requires_grad_()
+    z = x @ w.t()
+    loss = torch.nn.functional.cross_entropy(5.0 * torch.tanh(z / 5.0), inputs.target)
+    expected = (loss, *torch.autograd.grad(loss, (x, w)))
+    got = chunked_fp32_reference(inputs.x, inputs.weight, inputs.target, rows=16, softcap=5.0)
+    for a, b in zip(got, expected, strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+    uncapped = chunked_fp32_reference(inputs.x, inputs.weight, inputs.target, rows=16)
+    assert not torch.allclose(uncapped[1], expected[1], rtol=1e-2)
+
+
 def test_an_unavailable_method_says_why():
     def missing(_inputs):
         raise Unavailable("not installed")

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from flce_policy import FLCEPolicy
 from flce_policy.benchmarks import report
 from flce_policy.benchmarks.methods import default_methods, predicted_peak, predicted_time, select_methods
 from flce_policy.benchmarks.plot import plot_results
@@ -476,6 +477,10 @@ ALL_NAMES = [
     "ours_filter14_rescue16_bf16",
     "ours_filter14_rescue4_bf16",
     "ours_filter12_rescue256_bf16",
+    "ours_softcap30_bf16",
+    "ours_softcap30_eager_bf16",
+    "ours_softcap30_logits_bf16",
+    "liger_c16_softcap30_bf16",
     "quack",
     "cce",
     "cce_nofilter",
@@ -487,6 +492,25 @@ def test_default_methods_rows():
     methods = default_methods()
     assert [m.name for m in methods] == ALL_NAMES
     assert {m.accum for m in methods if m.name.endswith("_fp32")} == {"fp32"}
+
+
+def test_the_softcap_rows_compute_the_capped_loss():
+    from flce_policy.benchmarks.methods import SOFTCAP, Inputs, softcap_methods
+    from flce_policy.strategies import FixedChunkSize
+
+    torch.manual_seed(0)
+    x = torch.randn(48, 32).bfloat16()
+    w = (torch.randn(256, 32) * 2.0).bfloat16()  # logits of std ~11: the cap bends them
+    y = torch.randint(0, 256, (48,))
+    z = x.float() @ w.float().t()
+    reference = torch.nn.functional.cross_entropy(SOFTCAP * torch.tanh(z / SOFTCAP), y)
+    uncapped = torch.nn.functional.cross_entropy(z, y)
+    rows = [m for m in softcap_methods(FLCEPolicy(default=FixedChunkSize(16))) if m.family == "ours softcap"]
+    assert len(rows) == 3
+    for method in rows:
+        loss = method.loss(Inputs(x, w, y))(x, w).float()
+        assert torch.allclose(loss, reference, rtol=1e-2), method.name
+        assert not torch.allclose(loss, uncapped, rtol=1e-2)
 
 
 @pytest.mark.parametrize(

@@ -48,6 +48,27 @@ def test_explain_for_a_named_device(capsys):
         assert fragment in out, fragment
 
 
+@pytest.mark.parametrize(
+    "extra, slab_form, reason, softcap",
+    [
+        # Gemma-4's preset carries its softcap 30: fp32 caps on the row-scaled slab the H100 plans
+        ((), "scaled_exp_rows", "fastest", 30.0),
+        (("--softcap-rounding", "eager"), "logits", "eager", 30.0),  # apply_flce's rounding for Gemma
+        (("--softcap", "50"), "logits", "over 32", 50.0),
+        (("--softcap", "0"), "scaled_exp_rows", "fastest", None),
+    ],
+)
+def test_explain_shows_the_slab_a_softcapped_call_runs(capsys, extra, slab_form, reason, softcap):
+    code, out, _ = run(capsys, "explain", "--model", "gemma-4-31b", "--device", "H100", "--json", *extra)
+    assert code == 0
+    data = json.loads(out)
+    assert (data["slab_form"], data["softcap"]) == (slab_form, softcap)
+    assert reason in data["slab_form_reason"]
+    code, out, _ = run(capsys, "explain", "--model", "gemma-4-31b", "--device", "H100", *extra)
+    assert f"Form:        {slab_form}:" in out
+    assert ("softcap" in out.splitlines()[1]) == (softcap is not None)  # the Problem line
+
+
 def test_explain_json_with_a_strategy_override(capsys):
     code, out, _ = run(
         capsys, "explain", "--vocab", "128256", "--hidden", "4096", "--tokens", "8192",
@@ -297,6 +318,10 @@ def test_probe_without_gpu_readable(capsys, no_gpu):
             "unknown parameter(s) k",
         ),
         (["explain", "--model", "llama-3-8b", "--device", "H100", "--dtype", "int8"], "dtype"),
+        (["explain", "--model", "gemma-4-31b", "--softcap", "-1"], "--softcap: expected a positive finite softcap"),
+        (["explain", "--model", "gemma-4-31b", "--softcap", "nan"], "--softcap: expected a positive finite softcap"),
+        (["explain", "--model", "gemma-4-31b", "--softcap", "x"], "--softcap: expected a number, got 'x'"),
+        (["explain", "--model", "gemma-4-31b", "--softcap-rounding", "bf16"], "invalid choice: 'bf16'"),
         (["explain", "--model", "llama-3-8b", "--config", "x.yaml", "--strategy", "heuristic_c"], "not allowed with"),
         (["validate", "/nonexistent/policy.yaml"], "/nonexistent/policy.yaml: no such file"),
     ],

@@ -147,8 +147,13 @@ def test_problems_the_scaled_exp_slab_cannot_run_fall_back_to_logits(problem, vo
 
 
 def test_calls_the_slab_cannot_serve_take_their_forms_at_call_time():
-    assert call_routing(30.0) is not None  # a softcap runs the logits slab
     assert call_routing(None) is None
+    assert call_routing(30.0, row_scaled=True) is None  # the row-scaled form caps its logits in fp32
+    assert call_routing(32.0, row_scaled=True) is None
+    assert "over 32" in call_routing(32.5, row_scaled=True)
+    assert "outside the row-scaled form" in call_routing(30.0)
+    assert "eager" in call_routing(30.0, row_scaled=True, eager_rounding=True)
+    assert "argmax" in call_routing(30.0, row_scaled=True, argmax_or_entropy=True)
     assert row_scaled("scaled_exp_rows", bias=False, label_smoothing=0.0)
     assert not row_scaled("scaled_exp_rows", bias=True, label_smoothing=0.0)  # a bias: the per-tile form
     assert not row_scaled("scaled_exp_rows", bias=False, label_smoothing=0.1)  # label smoothing: per tile

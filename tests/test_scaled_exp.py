@@ -61,10 +61,12 @@ def run(t, policy, grad_output=None, *, class_weight=False, **options):
 
 
 def reference(t, grad_output=None, *, reduction="mean", label_smoothing=0.0, z_loss_scale=0.0, class_weight=False,
-              token_scaling=False):  # fmt: skip
+              token_scaling=False, softcap=None):  # fmt: skip
     """fp64 torch: the loss and the gradients of x, w (and b)."""
     leaves = {k: t[k].double().requires_grad_() for k in ("x", "w", "b") if k in t}
     z = F.linear(leaves["x"], leaves["w"], leaves.get("b"))
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
     y, valid = t["y"], t["y"] != -100
     cw = t["cw"].double() if class_weight else None
     rows = F.cross_entropy(z, y, weight=cw, reduction="none", label_smoothing=label_smoothing)
@@ -208,10 +210,71 @@ def test_grad_weight_filter_flags_against_fp64(form):
     assert rel_l2(filtered[2]["w"], want) < GRAD_TOL
 
 
-def test_softcap_call_runs_the_logits_slab():
-    t = inputs(seed=6)
-    asked = run(t, geometry("scaled_exp"), softcap=10.0)
-    logits = run(t, geometry("logits"), softcap=10.0)
+def _record_forms(monkeypatch) -> list[str]:
+    """The scaled-exp GEMMs the driver launches from now on: "rows" (and the redo flag it left), "redo", "tile"."""
+    import flce_policy.kernels.driver as driver
+
+    forms: list[str] = []
+    real = driver.scaled_exp_logits
+
+    def recording(*args, row_scaled=False, redo=False, **kw):
+        real(*args, row_scaled=row_scaled, redo=redo, **kw)
+        forms.append("redo" if redo else f"rows {int(args[5].redo.item())}" if row_scaled else "tile")
+
+    monkeypatch.setattr(driver, "scaled_exp_logits", recording)
+    return forms
+
+
+SOFTCAP_CASES = {
+    "mean, cap 10": (10.0, dict(), dict()),
+    "sum, class weights, z-loss, cap 30": (30.0, dict(reduction="sum", z_loss_scale=1e-3), dict(class_weight=True)),
+    "mean, token scaling, fp32 accumulation, cap 5": (5.0, dict(use_token_scaling=True, accum_dtype=torch.float32), {}),
+}
+
+
+# exp(2 |z| / c) overflows to inf where |z| >> c (its reciprocal, 0, is what the kernel uses); numpy says so
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("form", ROW_FORMS)
+@pytest.mark.parametrize("case", SOFTCAP_CASES)
+def test_softcap_on_the_row_scaled_form_against_fp64(case, form, monkeypatch):
+    """A softcap (fp32) runs the row-scaled GEMM with capped logits, never flagging a redo, on rows whose logits lie
+    far past the cap (std ~160 on three rows: dz'/dz down to ~1e-8) as on the others."""
+    softcap, options, call_kw = SOFTCAP_CASES[case]
+    t = inputs(seed=8)
+    t["x"][[3, 70, 140]] *= 40
+    forms = _record_forms(monkeypatch)
+    got_loss, _, got = run(t, geometry(form), softcap=softcap, **options, **call_kw)
+    assert forms == ["rows 0", "redo"] * 3
+    ref_options = {k: v for k, v in options.items() if k not in ("accum_dtype", "use_token_scaling")}
+    want_loss, want = reference(
+        t, softcap=softcap, token_scaling=options.get("use_token_scaling", False), **ref_options, **call_kw
+    )
+    assert abs(got_loss.double().item() - want_loss.item()) <= LOSS_TOL * abs(want_loss.item())
+    for name, grad in got.items():
+        assert rel_l2(grad, want[name]) < GRAD_TOL, name
+
+
+@pytest.mark.parametrize(
+    ("why", "input_kw", "options"),
+    [
+        ("eager rounding", dict(), dict(softcap=10.0, softcap_rounding="eager")),
+        ("over the limit", dict(), dict(softcap=40.0)),
+        ("a bias", dict(bias=True), dict(softcap=10.0)),
+        ("label smoothing", dict(), dict(softcap=10.0, label_smoothing=0.1)),
+        ("the accuracy", dict(), dict(softcap=10.0, return_token_accuracy=True)),
+        ("the entropy", dict(), dict(softcap=10.0, return_entropy=True)),
+        ("no gradient in the forward", dict(), dict(softcap=10.0, reduction="none")),
+    ],
+)
+def test_a_softcap_the_capped_gemm_cannot_run_takes_the_logits_slab(why, input_kw, options, monkeypatch):
+    t = inputs(seed=6, **input_kw)
+    grad_output = (
+        torch.rand(BT, generator=torch.Generator().manual_seed(2)).to(DEVICE) if "reduction" in options else None
+    )
+    forms = _record_forms(monkeypatch)
+    asked = run(t, geometry("scaled_exp_rows"), grad_output, **options)
+    assert forms == []
+    logits = run(t, geometry("logits"), grad_output, **options)
     assert torch.equal(asked[0], logits[0])
     for name in ("x", "w"):
         assert torch.equal(asked[2][name], logits[2][name])

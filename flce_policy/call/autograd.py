@@ -274,7 +274,7 @@ def forward_pass(
     if geometry is None:  # empty input: no rows, nothing to run
         out = _empty_outputs(x, weight, bias, in_forward, params)
     else:
-        geometry = geometry_for_call(geometry, params.softcap, x.device, options.slab_form)
+        geometry = geometry_for_call(geometry, options, x.device, bias=bias is not None, grads=in_forward.any)
         lap = None if trial is None else trial.start(x.device)
         out, geometry = run_with_oom_fallback(
             x,

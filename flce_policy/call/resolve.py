@@ -23,7 +23,7 @@ from flce_policy.plan.form_choice import pinned_slab_form
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.oom import DEFAULT_OOM_FALLBACK
 from flce_policy.plan.problem import Problem
-from flce_policy.plan.scaled_exp import call_routing, is_scaled_exp
+from flce_policy.plan.scaled_exp import call_routing, is_scaled_exp, row_scaled
 from flce_policy.strategies import ChunkStrategy
 
 if TYPE_CHECKING:
@@ -124,16 +124,29 @@ def _policy_around(strategy: ChunkStrategy) -> FLCEPolicy:
 
 
 def geometry_for_call(
-    geometry: Geometry, softcap: float | None, device: torch.device, slab_form: str | None = None
+    geometry: Geometry, options: LossOptions, device: torch.device, *, bias: bool, grads: bool
 ) -> Geometry:
-    """``geometry`` in the form the call pins (``slab_form``; None: the geometry's), or its copy on the logits slab
-    where it asks for the scaled-exp slab and the call (:func:`flce_policy.plan.scaled_exp.call_routing`) or the
-    device (TMA: Hopper or later) cannot run it."""
-    if slab_form is not None and slab_form != geometry.slab_form:
-        geometry = _pinned(geometry, slab_form, device)
-    if not is_scaled_exp(geometry.slab_form) or (call_routing(softcap) is None and tma_device(device)):
+    """``geometry`` in the form the call pins (``options.slab_form``; None: the geometry's), or its copy on the logits
+    slab where it asks for the scaled-exp slab and the call (:func:`flce_policy.plan.scaled_exp.call_routing`: its
+    options, ``bias``, ``grads`` in the forward) or the device (TMA: Hopper or later) cannot run it."""
+    if options.slab_form is not None and options.slab_form != geometry.slab_form:
+        geometry = _pinned(geometry, options.slab_form, device)
+    if not is_scaled_exp(geometry.slab_form):
+        return geometry
+    if tma_device(device) and _routing(options, geometry.slab_form, geometry.problem.dtype, bias, grads) is None:
         return geometry
     return _on_logits_slab(geometry)
+
+
+@functools.lru_cache(maxsize=256)
+def _routing(options: LossOptions, slab_form: str, dtype: str, bias: bool, grads: bool) -> str | None:
+    rows = grads and row_scaled(slab_form, bias=bias, label_smoothing=options.label_smoothing, dtype=dtype)
+    return call_routing(
+        options.softcap,
+        eager_rounding=options.softcap_rounding == "eager",
+        row_scaled=rows,
+        argmax_or_entropy=options.return_token_accuracy or options.return_predicted_tokens or options.return_entropy,
+    )
 
 
 @functools.lru_cache(maxsize=256)

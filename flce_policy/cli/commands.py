@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import math
 import sys
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -39,16 +40,18 @@ __all__ = ["main", "MODEL_PRESETS"]
 class ModelPreset(NamedTuple):
     vocab: int
     hidden: int
+    #: the config's ``final_logit_softcapping`` (None: no softcap)
+    softcap: float | None = None
 
 
-#: LM-head shapes (vocab V, hidden H) of common models, for ``--model``.
+#: LM-head shapes (vocab V, hidden H, softcap) of common models, for ``--model``.
 MODEL_PRESETS: dict[str, ModelPreset] = {
     "llama-3-8b": ModelPreset(128256, 4096),
     "llama-3-70b": ModelPreset(128256, 8192),
     "llama-3.1-405b": ModelPreset(128256, 16384),
-    "gemma-2-9b": ModelPreset(256000, 3584),
+    "gemma-2-9b": ModelPreset(256000, 3584, 30.0),
     "gemma-3-27b": ModelPreset(262208, 5376),
-    "gemma-4-31b": ModelPreset(262144, 5376),
+    "gemma-4-31b": ModelPreset(262144, 5376, 30.0),
     "qwen-2.5-7b": ModelPreset(152064, 3584),
     "qwen-2.5-72b": ModelPreset(152064, 8192),
     "mistral-7b": ModelPreset(32768, 4096),
@@ -115,6 +118,16 @@ def _shown(text: str) -> str:
     return repr(text) if len(text) <= 40 else f"{text[:20]!r}... ({len(text)} characters)"
 
 
+def _softcap(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {_shown(text)}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a positive finite softcap (0: none), got {_shown(text)}")
+    return value
+
+
 def _master_dtype(text: str) -> str:
     try:
         return checked_dtype(text, "a dtype")  # the dtypes the memory model knows: the one rule for all
@@ -151,6 +164,18 @@ def _build_parser() -> _Parser:
         metavar="DTYPE",
         help="the LM head's own dtype under autocast (e.g. float32 master weights with --dtype bfloat16): "
         "the predicted peak holds its low-precision copy and its gradient",
+    )
+    explain.add_argument(
+        "--softcap",
+        type=_softcap,
+        metavar="C",
+        help="the loss call's final-logit softcap (default: --model's, e.g. 30 for Gemma 2 and 4; 0: none)",
+    )
+    explain.add_argument(
+        "--softcap-rounding",
+        choices=("fp32", "eager"),
+        default="fp32",
+        help="the loss's softcap_rounding: fp32 (its default) or eager (what apply_flce passes for Gemma)",
     )
     explain.add_argument("--json", action="store_true", help="JSON on stdout")
     explain.set_defaults(run=_cmd_explain)
@@ -291,6 +316,9 @@ def _cmd_probe(args: argparse.Namespace) -> int:
 def _cmd_explain(args: argparse.Namespace) -> int:
     problem = _problem(args)
     policy = _policy(args)
+    preset = MODEL_PRESETS.get(args.model) if args.model else None
+    softcap = args.softcap if args.softcap is not None else (preset.softcap if preset else None)
+    call = {"softcap": softcap or None, "softcap_rounding": args.softcap_rounding}
     if args.device:
         device: DeviceInfo | None = _device(args.device)
         title = ""
@@ -303,17 +331,17 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         device, title = (device, "") if device.is_gpu else (None, "no GPU here; the decision on each known GPU")
     if device is None:
         known = DeviceInfo.known()
-        _print_table(policy, problem, known, as_json=args.json, title=title, master_dtype=args.master_dtype)
+        _print_table(policy, problem, known, as_json=args.json, title=title, master_dtype=args.master_dtype, call=call)
         return 0
     rule, strategy = policy.resolve_rule(device)
     if strategy.dynamic and device.index is None:
         _print_at_call_time(policy, problem, device, as_json=args.json)
     elif args.json:
         ranks = _tp_ranks(policy, problem, device, args) if problem.tp_size > 1 else None
-        decision = policy.explain_dict(problem, device, master_dtype=args.master_dtype)
+        decision = policy.explain_dict(problem, device, master_dtype=args.master_dtype, **call)
         _print_json({**decision, **({"tp_ranks": ranks} if ranks else {})})
     else:
-        _console().print(policy.explain(problem, device, master_dtype=args.master_dtype))
+        _console().print(policy.explain(problem, device, master_dtype=args.master_dtype, **call))
         if problem.tp_size > 1:
             _print_tp_ranks(_tp_ranks(policy, problem, device, args))
     return 0
@@ -466,9 +494,15 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
 
 def _decision(
-    policy: FLCEPolicy, problem: Problem, device: DeviceInfo, *, master_dtype: str | None = None
+    policy: FLCEPolicy,
+    problem: Problem,
+    device: DeviceInfo,
+    *,
+    master_dtype: str | None = None,
+    call: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """explain_dict, or the error a strategy gave for this device (a budget smaller than one row, say).
+    """explain_dict (``call``: its softcap keywords), or the error a strategy gave for this device (a budget smaller
+    than one row, say).
 
     A dynamic strategy (free_memory) on a planned GPU has no answer yet: it decides at call time.
     """
@@ -476,7 +510,7 @@ def _decision(
     if strategy.dynamic and device.index is None:
         return _at_call_time(policy, device)
     try:
-        return policy.explain_dict(problem, device, master_dtype=master_dtype)
+        return policy.explain_dict(problem, device, master_dtype=master_dtype, **(call or {}))
     except StrategyError as err:
         return {
             "device": device.model_dump(mode="json"),
@@ -514,14 +548,18 @@ def _print_table(
     title: str,
     baseline: FLCEPolicy | None = None,
     master_dtype: str | None = None,
+    call: dict[str, Any] | None = None,
 ) -> None:
     """The decision on each device: its predicted peak, or with ``baseline`` (validate), a last column
-    with the baseline's pick where it differs (the two would not fit a line together)."""
-    rows = [_decision(policy, problem, d, master_dtype=master_dtype) for d in devices]
+    with the baseline's pick where it differs (the two would not fit a line together). ``call``: explain's
+    softcap keywords."""
+    rows = [_decision(policy, problem, d, master_dtype=master_dtype, call=call) for d in devices]
     if as_json:
         _print_json({"problem": problem.model_dump(), "policy": policy.source, "decisions": rows})
         return
     master = f"; peak over a {master_dtype} master weight under autocast" if master_dtype else ""
+    if call and call["softcap"]:
+        master += f"; softcap {call['softcap']:g} ({call['softcap_rounding']} rounding)"
     table = Table(title=f"{title}\n{problem.describe()}; policy {policy.source}{master}")
     columns = ["GPU", "memory", "rule", "strategy", "chunk_size", "chunks", "slab", "form"]
     for column in columns + (["peak"] if baseline is None else ["packaged policy"]):

@@ -32,7 +32,14 @@ from flce_policy.plan.measuring import bucket_label, bucket_problem
 from flce_policy.plan.memory import gathered_head_bytes, predict_peak
 from flce_policy.plan.oom import DEFAULT_MIN_CHUNK_SIZE, OOMFallback
 from flce_policy.plan.problem import Problem
-from flce_policy.plan.scaled_exp import SCALED_EXP_TILE, WS_TILE
+from flce_policy.plan.scaled_exp import (
+    SCALED_EXP_TILE,
+    SOFTCAP_LIMIT,
+    WS_TILE,
+    call_routing,
+    is_scaled_exp,
+    row_scaled,
+)
 from flce_policy.plan.units import format_bytes, parse_bytes
 from flce_policy.plan.weight_filter import (
     FILTER_COLS,
@@ -455,12 +462,20 @@ class FLCEPolicy:
     # --- explaining ------------------------------------------------------------------------------
 
     def explain_dict(
-        self, problem: Problem, device: DeviceInfo | None = None, *, master_dtype: str | None = None
+        self,
+        problem: Problem,
+        device: DeviceInfo | None = None,
+        *,
+        master_dtype: str | None = None,
+        softcap: float | None = None,
+        softcap_rounding: str = "fp32",
     ) -> dict[str, Any]:
         """The decision as JSON-ready data: device, problem, policy source, rule, strategy, geometry.
 
         ``master_dtype``: the LM head's own dtype under autocast (e.g. "float32" master weights with
         a bfloat16 problem); the predicted peak then holds its low-precision copy and its gradient.
+        ``softcap``, ``softcap_rounding``: a loss call's (no bias or label smoothing, gradients in the forward); where
+        the planned scaled-exp slab cannot run them the call's logits slab is shown, as the loss runs it.
         """
         if device is None:
             device = self._probe()
@@ -470,6 +485,10 @@ class FLCEPolicy:
         # the form as the engine chose it for the strategy's rows (a strategy that chose none: from the logits slab)
         asked = geometry if strategy.decides_slab_form() else geometry.with_slab_form("logits")
         form_reason = form_choice(strategy, asked, device, self.slab_form_for(device)).reason
+        routing = _softcap_routing(geometry, softcap, softcap_rounding)
+        if routing is not None:
+            geometry = geometry.with_slab_form("logits")
+            form_reason = routing
         peak = predict_peak(geometry, master_dtype=master_dtype)
         rates = strategy.planned_rates(device)
         predicted = predict_seconds(geometry, rates)
@@ -512,6 +531,8 @@ class FLCEPolicy:
             "grad_weight_filter_rescue": geometry.grad_weight_filter_rescue,
             "slab_form": geometry.slab_form,
             "slab_form_reason": form_reason,
+            "softcap": softcap,
+            "softcap_rounding": None if softcap is None else softcap_rounding,
             **self._measured_dict(problem, device, strategy),
             **_filter_times(geometry, rates),
             **tp,
@@ -529,10 +550,21 @@ class FLCEPolicy:
         pick = {"chunk_size": geometry.chunk_size, "slab_form": geometry.slab_form, "source": source}
         return {"measured": pick, "bucket": bucket}
 
-    def explain(self, problem: Problem, device: DeviceInfo | None = None, *, master_dtype: str | None = None) -> str:
-        """A readable account of the decision for ``problem`` on ``device`` (probed when None)."""
+    def explain(
+        self,
+        problem: Problem,
+        device: DeviceInfo | None = None,
+        *,
+        master_dtype: str | None = None,
+        softcap: float | None = None,
+        softcap_rounding: str = "fp32",
+    ) -> str:
+        """A readable account of the decision for ``problem`` on ``device`` (probed when None); ``softcap`` and
+        ``softcap_rounding`` as for :meth:`explain_dict`."""
         device = self._probe() if device is None else device
-        d = self.explain_dict(problem, device, master_dtype=master_dtype)
+        d = self.explain_dict(
+            problem, device, master_dtype=master_dtype, softcap=softcap, softcap_rounding=softcap_rounding
+        )
         params = ", ".join(f"{k}={v!r}" for k, v in d["params"].items()) or "no parameters"
         when = "; asked again on every call (it reads free memory)" if d["dynamic"] else ""
         oom = (
@@ -546,7 +578,7 @@ class FLCEPolicy:
             accum += f", under autocast over a {master_dtype} weight (its {problem.dtype} copy and gradient included)"
         lines = [
             ("Device", d["device"]["description"]),
-            ("Problem", problem.describe()),
+            ("Problem", problem.describe() + _softcap_note(softcap, softcap_rounding)),
             ("Policy", d["policy"]),
             ("Rule", d["rule"]),
             ("Strategy", f"{d['strategy']} ({params}){when}"),
@@ -666,12 +698,25 @@ def _filter_times(geometry: Geometry, rates: Any) -> dict[str, Any]:
     }
 
 
+def _softcap_routing(geometry: Geometry, softcap: float | None, softcap_rounding: str) -> str | None:
+    """Why a loss call with ``softcap`` (no bias or smoothing, gradients in the forward) runs ``geometry`` on the
+    logits slab, as :func:`flce_policy.call.resolve.geometry_for_call` routes it; None where it runs as planned."""
+    if softcap is None or not is_scaled_exp(geometry.slab_form):
+        return None
+    rows = row_scaled(geometry.slab_form, bias=False, label_smoothing=0.0, dtype=geometry.problem.dtype)
+    return call_routing(softcap, eager_rounding=softcap_rounding == "eager", row_scaled=rows)
+
+
+def _softcap_note(softcap: float | None, softcap_rounding: str) -> str:
+    return "" if softcap is None else f", softcap {softcap:g} ({softcap_rounding} rounding)"
+
+
 def _slab_form_note(slab_form: str) -> str:
     if slab_form == "logits":
         return ", holding the logits (cuBLAS GEMM)"
     rows = (
         ", and per row where the call has no bias or label smoothing (bf16): exp(z - z_y), no CE pass over the "
-        "slab, the backward GEMMs scaling its rows"
+        f"slab, the backward GEMMs scaling its rows (a softcap of up to {SOFTCAP_LIMIT:g} in fp32 runs there too)"
         if slab_form in ("scaled_exp_rows", "scaled_exp_ws")
         else ""
     )
@@ -682,7 +727,7 @@ def _slab_form_note(slab_form: str) -> str:
         )
     return (
         f", holding exp(z - m) per {SCALED_EXP_TILE} columns from a Triton GEMM's epilogue (scaled-exp: no partial "
-        f"pass, no bf16 rounding of the logits){rows}; calls with a softcap, and GPUs before Hopper, run the "
+        f"pass, no bf16 rounding of the logits){rows}; other calls with a softcap, and GPUs before Hopper, run the "
         "logits slab"
     )
 

@@ -8,7 +8,8 @@ whose epilogue stores exponentials of the logits and the CE partials, not the lo
 ``"scaled_exp_ws"`` is the row-scaled form whose GEMM is warp-specialised (a Gluon kernel on Hopper,
 :mod:`flce_policy.kernels.gluon_exp_gemm`) in tiles of :data:`WS_TILE` columns.
 It runs row-only geometries of 16-bit logits on one rank, through TMA (rows of 16 bytes); a call asking for
-what the epilogue does not compute (a softcap) runs the logits slab, which :func:`call_routing` says.
+what the epilogue does not compute (a softcap outside the row-scaled form) runs the logits slab, which
+:func:`call_routing` says.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ __all__ = [
     "SHIFT_LIMIT",
     "SHIFT_LIMIT_EXP",
     "SLAB_FORMS",
+    "SOFTCAP_LIMIT",
     "WS_TILE",
     "WS_COMPUTE_CAPABILITY",
     "call_routing",
@@ -50,6 +52,9 @@ SHIFT_LIMIT = 64.0
 #: over it has such a sum, so none over the limit is missed; a row whose maximum lies up to ``log(tile)``
 #: under the limit may be flagged too (redone per tile: the same result, later).
 SHIFT_LIMIT_EXP = math.exp(SHIFT_LIMIT)
+#: The largest softcap the scaled-exp slab runs: capped logits lie within ``2 * softcap`` of the target's, inside
+#: SHIFT_LIMIT, so the row-scaled form never redoes a chunk per tile (which would need ``tanh`` of each logit again).
+SOFTCAP_LIMIT = SHIFT_LIMIT / 2
 #: Columns per slot of ``"scaled_exp_ws"``'s row-scaled chunks: its Gluon GEMM's tile (a warpgroup's 128x128
 #: accumulator; results/2026-12-02-h200-gluon-gemm/gluon_rowsum_probe.log).
 WS_TILE = 128
@@ -96,10 +101,30 @@ def runnable_slab_form(slab_form: str, problem: Problem, vocab_chunk: int, devic
     return slab_form
 
 
-def call_routing(softcap: Any) -> str | None:
-    """None where a call's options run on the scaled-exp slab, else why the call runs the logits slab."""
-    if softcap is not None:
-        return "softcap (its gradient needs tanh of each logit, which the scaled-exp slab does not keep)"
+def call_routing(
+    softcap: Any, *, eager_rounding: bool = False, row_scaled: bool = False, argmax_or_entropy: bool = False
+) -> str | None:
+    """None where a call's options run on the scaled-exp slab, else why the call runs the logits slab.
+
+    A softcap runs in the row-scaled form alone (``row_scaled``: :func:`row_scaled` of a call with gradients in its
+    forward), whose slab holds the capped exponentials times the cap's derivative: computed in fp32
+    (``eager_rounding``: the call's ``softcap_rounding="eager"``), up to :data:`SOFTCAP_LIMIT`, without the argmax or
+    the entropy, which that GEMM does not compute on capped logits."""
+    if softcap is None:
+        return None
+    if eager_rounding:
+        return "a softcap rounded op by op as eager PyTorch rounds it (the scaled-exp slab caps in fp32)"
+    if softcap > SOFTCAP_LIMIT:
+        return (
+            f"a softcap over {SOFTCAP_LIMIT:g} (capped logits {2 * softcap:g} apart pass the row-scaled form's range)"
+        )
+    if not row_scaled:
+        return (
+            "a softcap outside the row-scaled form (a bias, label smoothing, float16 logits or no gradient in the "
+            "forward: the per-tile form's finish would need tanh of each logit)"
+        )
+    if argmax_or_entropy:
+        return "a softcap with the argmax or the entropy (the capped GEMM does not compute them)"
     return None
 
 
