@@ -23,7 +23,7 @@ from flce_policy.plan.form_choice import pinned_slab_form
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.oom import DEFAULT_OOM_FALLBACK
 from flce_policy.plan.problem import Problem
-from flce_policy.plan.scaled_exp import call_routing, is_scaled_exp, row_scaled
+from flce_policy.plan.scaled_exp import is_scaled_exp, routing_on
 from flce_policy.strategies import ChunkStrategy
 
 if TYPE_CHECKING:
@@ -140,11 +140,14 @@ def geometry_for_call(
 
 @functools.lru_cache(maxsize=256)
 def _routing(options: LossOptions, slab_form: str, dtype: str, bias: bool, grads: bool) -> str | None:
-    rows = grads and row_scaled(slab_form, bias=bias, label_smoothing=options.label_smoothing, dtype=dtype)
-    return call_routing(
+    return routing_on(
+        slab_form,
+        dtype,
         options.softcap,
         eager_rounding=options.softcap_rounding == "eager",
-        row_scaled=rows,
+        bias=bias,
+        label_smoothing=options.label_smoothing,
+        grads=grads,
         argmax_or_entropy=options.return_token_accuracy or options.return_predicted_tokens or options.return_entropy,
     )
 

@@ -32,14 +32,7 @@ from flce_policy.plan.measuring import bucket_label, bucket_problem
 from flce_policy.plan.memory import gathered_head_bytes, predict_peak
 from flce_policy.plan.oom import DEFAULT_MIN_CHUNK_SIZE, OOMFallback
 from flce_policy.plan.problem import Problem
-from flce_policy.plan.scaled_exp import (
-    SCALED_EXP_TILE,
-    SOFTCAP_LIMIT,
-    WS_TILE,
-    call_routing,
-    is_scaled_exp,
-    row_scaled,
-)
+from flce_policy.plan.scaled_exp import SCALED_EXP_TILE, SOFTCAP_LIMIT, WS_TILE, is_scaled_exp, routing_on
 from flce_policy.plan.units import format_bytes, parse_bytes
 from flce_policy.plan.weight_filter import (
     FILTER_COLS,
@@ -703,8 +696,7 @@ def _softcap_routing(geometry: Geometry, softcap: float | None, softcap_rounding
     logits slab, as :func:`flce_policy.call.resolve.geometry_for_call` routes it; None where it runs as planned."""
     if softcap is None or not is_scaled_exp(geometry.slab_form):
         return None
-    rows = row_scaled(geometry.slab_form, bias=False, label_smoothing=0.0, dtype=geometry.problem.dtype)
-    return call_routing(softcap, eager_rounding=softcap_rounding == "eager", row_scaled=rows)
+    return routing_on(geometry.slab_form, geometry.problem.dtype, softcap, eager_rounding=softcap_rounding == "eager")
 
 
 def _softcap_note(softcap: float | None, softcap_rounding: str) -> str:

@@ -31,6 +31,7 @@ __all__ = [
     "WS_TILE",
     "WS_COMPUTE_CAPABILITY",
     "call_routing",
+    "routing_on",
     "is_scaled_exp",
     "runnable_slab_form",
     "scaled_exp_scratch_bytes",
@@ -126,6 +127,23 @@ def call_routing(
     if argmax_or_entropy:
         return "a softcap with the argmax or the entropy (the capped GEMM does not compute them)"
     return None
+
+
+def routing_on(
+    slab_form: str,
+    dtype: str,
+    softcap: Any,
+    *,
+    eager_rounding: bool,
+    bias: bool = False,
+    label_smoothing: float = 0.0,
+    grads: bool = True,
+    argmax_or_entropy: bool = False,
+) -> str | None:
+    """:func:`call_routing` of a call on ``slab_form`` with ``dtype`` logits, its row-scaled form decided by
+    :func:`row_scaled` from the call's ``bias`` and ``label_smoothing`` and whether its forward has ``grads``."""
+    rows = grads and row_scaled(slab_form, bias=bias, label_smoothing=label_smoothing, dtype=dtype)
+    return call_routing(softcap, eager_rounding=eager_rounding, row_scaled=rows, argmax_or_entropy=argmax_or_entropy)
 
 
 def is_scaled_exp(slab_form: str) -> bool:
