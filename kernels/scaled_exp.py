@@ -319,7 +319,8 @@ def scaled_exp_logits(
         )  # fmt: skip
     if row_scaled and not (track_argmax or entropy or capped) and block_n == WS_TILE and _runs_gluon(slab.device):
         # "scaled_exp_ws": the warp-specialised GEMM, the same slab and slots (the argmax, the entropy's sums and
-        # a softcap it does not compute: such calls run this Triton GEMM in its tiles)
+        # a softcap it does not compute: the loss runs such calls on "scaled_exp_rows", and a direct launch of them
+        # runs this Triton GEMM in these tiles)
         maxima = ws.partials[2].view(-1) if flag_maxima else None
         launch_row_scaled_exp_gemm(
             x_chunk, weight, slab, ws.row_shift, ws.partials[1].view(-1), ws.partials.shape[1], ws.redo, maxima

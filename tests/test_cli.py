@@ -69,6 +69,20 @@ def test_explain_shows_the_slab_a_softcapped_call_runs(capsys, extra, slab_form,
     assert ("softcap" in out.splitlines()[1]) == (softcap is not None)  # the Problem line
 
 
+@pytest.mark.parametrize(
+    "softcap, slab_form, reason",
+    [("30", "scaled_exp_rows", "warp-specialised GEMM does not compute"), ("0", "scaled_exp_ws", "strategy's")],
+)
+def test_explain_moves_a_softcapped_h200_small_head_off_the_warp_specialised_gemm(capsys, softcap, slab_form, reason):
+    # a Gemma-2 2B head (H=2304) plans the Gluon GEMM on the H200, which has no softcap
+    args = ("--hidden", "2304", "--vocab", "256000", "--tokens", "16384", "--device", "H200", "--softcap", softcap)
+    code, out, _ = run(capsys, "explain", *args, "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["slab_form"] == slab_form
+    assert reason in data["slab_form_reason"]
+
+
 def test_explain_json_with_a_strategy_override(capsys):
     code, out, _ = run(
         capsys, "explain", "--vocab", "128256", "--hidden", "4096", "--tokens", "8192",

@@ -280,6 +280,41 @@ def test_a_softcap_the_capped_gemm_cannot_run_takes_the_logits_slab(why, input_k
         assert torch.equal(asked[2][name], logits[2][name])
 
 
+@pytest.mark.parametrize(
+    ("options", "tile"),
+    [
+        (dict(), 128),
+        (dict(softcap=10.0), 256),
+        (dict(return_token_accuracy=True, return_predicted_tokens=True), 256),
+        (dict(return_entropy=True), 256),
+    ],
+)
+def test_a_ws_call_the_gluon_gemm_cannot_run_takes_the_row_scaled_form(options, tile, monkeypatch):
+    """The warp-specialised GEMM (128-column slots) computes no softcap, argmax or entropy: such calls run the
+    row-scaled form's Triton GEMM in its own 256-column slots, as a call asking for that form does."""
+    import flce_policy.kernels.driver as driver
+
+    tiles: list[int] = []
+    real = driver.scaled_exp_logits
+
+    def recording(*args, **kw):
+        tiles.append(args[5].scaled_exp_tile)
+        real(*args, **kw)
+
+    monkeypatch.setattr(driver, "scaled_exp_logits", recording)
+    t = inputs(seed=9)
+    asked = run(t, geometry("scaled_exp_ws"), **options)
+    assert set(tiles) == {tile}
+    if tile == 128:
+        return
+    rows = run(t, geometry("scaled_exp_rows"), **options)
+    assert torch.equal(asked[0], rows[0])
+    for got, want in zip(asked[1], rows[1], strict=True):
+        assert torch.equal(got, want)
+    for name in ("x", "w"):
+        assert torch.equal(asked[2][name], rows[2][name])
+
+
 def test_oom_fallback_keeps_the_slab_form():
     t = inputs(seed=7)
     with inject_oom(above_rows=64), pytest.warns(OOMFallbackWarning):

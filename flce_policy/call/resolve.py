@@ -23,7 +23,7 @@ from flce_policy.plan.form_choice import pinned_slab_form
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.oom import DEFAULT_OOM_FALLBACK
 from flce_policy.plan.problem import Problem
-from flce_policy.plan.scaled_exp import is_scaled_exp, routing_on
+from flce_policy.plan.scaled_exp import call_slab_form, is_scaled_exp, routing_on
 from flce_policy.strategies import ChunkStrategy
 
 if TYPE_CHECKING:
@@ -128,14 +128,18 @@ def geometry_for_call(
 ) -> Geometry:
     """``geometry`` in the form the call pins (``options.slab_form``; None: the geometry's), or its copy on the logits
     slab where it asks for the scaled-exp slab and the call (:func:`flce_policy.plan.scaled_exp.call_routing`: its
-    options, ``bias``, ``grads`` in the forward) or the device (TMA: Hopper or later) cannot run it."""
+    options, ``bias``, ``grads`` in the forward) or the device (TMA: Hopper or later) cannot run it, or on the
+    row-scaled form where it asks for the warp-specialised GEMM and the call needs what only the Triton GEMM computes
+    (:func:`flce_policy.plan.scaled_exp.call_slab_form`)."""
     if options.slab_form is not None and options.slab_form != geometry.slab_form:
         geometry = _pinned(geometry, options.slab_form, device)
     if not is_scaled_exp(geometry.slab_form):
         return geometry
     if tma_device(device) and _routing(options, geometry.slab_form, geometry.problem.dtype, bias, grads) is None:
-        return geometry
-    return _on_logits_slab(geometry)
+        return _with_slab_form(
+            geometry, call_slab_form(geometry.slab_form, options.softcap, argmax_or_entropy=_argmax_or_entropy(options))
+        )
+    return _with_slab_form(geometry, "logits")
 
 
 @functools.lru_cache(maxsize=256)
@@ -148,8 +152,12 @@ def _routing(options: LossOptions, slab_form: str, dtype: str, bias: bool, grads
         bias=bias,
         label_smoothing=options.label_smoothing,
         grads=grads,
-        argmax_or_entropy=options.return_token_accuracy or options.return_predicted_tokens or options.return_entropy,
+        argmax_or_entropy=_argmax_or_entropy(options),
     )
+
+
+def _argmax_or_entropy(options: LossOptions) -> bool:
+    return options.return_token_accuracy or options.return_predicted_tokens or options.return_entropy
 
 
 @functools.lru_cache(maxsize=256)
@@ -160,8 +168,8 @@ def _pinned(geometry: Geometry, slab_form: str, device: torch.device) -> Geometr
 
 
 @functools.lru_cache(maxsize=256)
-def _on_logits_slab(geometry: Geometry) -> Geometry:
-    return geometry.with_slab_form("logits")
+def _with_slab_form(geometry: Geometry, slab_form: str) -> Geometry:
+    return geometry if slab_form == geometry.slab_form else geometry.with_slab_form(slab_form)
 
 
 @functools.lru_cache(maxsize=1024)

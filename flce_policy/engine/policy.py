@@ -32,7 +32,14 @@ from flce_policy.plan.measuring import bucket_label, bucket_problem
 from flce_policy.plan.memory import gathered_head_bytes, predict_peak
 from flce_policy.plan.oom import DEFAULT_MIN_CHUNK_SIZE, OOMFallback
 from flce_policy.plan.problem import Problem
-from flce_policy.plan.scaled_exp import SCALED_EXP_TILE, SOFTCAP_LIMIT, WS_TILE, is_scaled_exp, routing_on
+from flce_policy.plan.scaled_exp import (
+    SCALED_EXP_TILE,
+    SOFTCAP_LIMIT,
+    WS_TILE,
+    call_slab_form,
+    is_scaled_exp,
+    routing_on,
+)
 from flce_policy.plan.units import format_bytes, parse_bytes
 from flce_policy.plan.weight_filter import (
     FILTER_COLS,
@@ -479,9 +486,10 @@ class FLCEPolicy:
         asked = geometry if strategy.decides_slab_form() else geometry.with_slab_form("logits")
         form_reason = form_choice(strategy, asked, device, self.slab_form_for(device)).reason
         routing = _softcap_routing(geometry, softcap, softcap_rounding)
-        if routing is not None:
-            geometry = geometry.with_slab_form("logits")
-            form_reason = routing
+        call_form = "logits" if routing else call_slab_form(geometry.slab_form, softcap, argmax_or_entropy=False)
+        if call_form != geometry.slab_form:
+            geometry = geometry.with_slab_form(call_form)
+            form_reason = routing or "a softcap, which the warp-specialised GEMM does not compute (the Triton GEMM does)"
         peak = predict_peak(geometry, master_dtype=master_dtype)
         rates = strategy.planned_rates(device)
         predicted = predict_seconds(geometry, rates)
@@ -715,7 +723,7 @@ def _slab_form_note(slab_form: str) -> str:
     if slab_form == "scaled_exp_ws":
         rows += (
             f", that GEMM warp-specialised on Hopper (a Gluon kernel, a partial slot per {WS_TILE} columns; calls "
-            "asking for the argmax or the entropy run its Triton form in those slots)"
+            "with a softcap, the argmax or the entropy run the row-scaled form's Triton GEMM)"
         )
     return (
         f", holding exp(z - m) per {SCALED_EXP_TILE} columns from a Triton GEMM's epilogue (scaled-exp: no partial "

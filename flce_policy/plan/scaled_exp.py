@@ -31,6 +31,7 @@ __all__ = [
     "WS_TILE",
     "WS_COMPUTE_CAPABILITY",
     "call_routing",
+    "call_slab_form",
     "routing_on",
     "is_scaled_exp",
     "runnable_slab_form",
@@ -144,6 +145,15 @@ def routing_on(
     :func:`row_scaled` from the call's ``bias`` and ``label_smoothing`` and whether its forward has ``grads``."""
     rows = grads and row_scaled(slab_form, bias=bias, label_smoothing=label_smoothing, dtype=dtype)
     return call_routing(softcap, eager_rounding=eager_rounding, row_scaled=rows, argmax_or_entropy=argmax_or_entropy)
+
+
+def call_slab_form(slab_form: str, softcap: Any, *, argmax_or_entropy: bool) -> str:
+    """The scaled-exp form a call that :func:`call_routing` keeps on ``slab_form`` runs: ``"scaled_exp_rows"`` for a
+    ``"scaled_exp_ws"`` call with a softcap, the argmax or the entropy, which the warp-specialised GEMM does not compute
+    (the row-scaled form's Triton GEMM does, in its own tiles), else ``slab_form``."""
+    if slab_form == "scaled_exp_ws" and (softcap is not None or argmax_or_entropy):
+        return "scaled_exp_rows"
+    return slab_form
 
 
 def is_scaled_exp(slab_form: str) -> bool:
