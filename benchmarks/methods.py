@@ -481,25 +481,46 @@ def default_methods(
 def softcap_methods(policy: FLCEPolicy) -> list[Method]:
     """Gemma's final-logit softcap (:data:`SOFTCAP`, bf16): the default policy with the loss's fp32 softcap, with
     ``softcap_rounding="eager"`` (what ``apply_flce`` passes for Gemma: HF's numbers), pinned to the logits slab, and
-    Liger C=16 with its softcap. No plan: a softcap can move a call to the logits slab, which the plan does not show."""
+    Liger C=16 with its softcap. Each of ours is planned in the slab form its calls run."""
+    from flce_policy.strategies import HeuristicC
+
     ours_rows = {
         f"ours_softcap{SOFTCAP:g}_bf16": {"softcap": SOFTCAP},
         f"ours_softcap{SOFTCAP:g}_eager_bf16": {"softcap": SOFTCAP, "softcap_rounding": "eager"},
         f"ours_softcap{SOFTCAP:g}_logits_bf16": {"softcap": SOFTCAP, "slab_form": "logits"},
     }
-    methods = [
-        Method(name, "ours softcap", ours(lambda _inputs: policy, **options), options=options)
+    return [
+        Method(
+            name,
+            "ours softcap",
+            ours(lambda _inputs: policy, **options),
+            options=options,
+            plan=_softcap_plan(policy, options),
+        )
         for name, options in ours_rows.items()
-    ]
-    methods.append(
+    ] + [
         Method(
             f"liger_c16_softcap{SOFTCAP:g}_bf16",
             "liger softcap",
             liger(16, softcap=SOFTCAP),
             options={"c": 16, "softcap": SOFTCAP},
+            plan=HeuristicC(16).geometry,
         )
-    )
-    return methods
+    ]
+
+
+def _softcap_plan(policy: FLCEPolicy, options: dict[str, Any]) -> Plan:
+    from flce_policy.engine.policy import softcapped_geometry
+
+    rounding = options.get("softcap_rounding", "fp32")
+
+    def plan(problem: Problem, device: DeviceInfo) -> Geometry:
+        geometry = policy.resolve(problem, device)
+        if options.get("slab_form") == "logits":
+            return geometry.with_slab_form("logits")
+        return softcapped_geometry(geometry, options["softcap"], rounding)[0]
+
+    return plan
 
 
 def select_methods(methods: Sequence[Method], patterns: Sequence[str] | None) -> list[Method]:

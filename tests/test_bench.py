@@ -513,6 +513,28 @@ def test_the_softcap_rows_compute_the_capped_loss():
         assert not torch.allclose(loss, uncapped, rtol=1e-2)
 
 
+def test_the_softcap_rows_are_planned_in_the_form_their_calls_run():
+    # the H200 plans the Gluon GEMM for a Gemma-2 2B head; a softcapped call runs the Triton GEMM (fp32 cap) or the
+    # logits slab (eager rounding, the pin, Liger)
+    from flce_policy.benchmarks.methods import softcap_methods
+
+    device, shape = DeviceInfo.synthetic("H200"), (16384, 2304, 256000)
+    policy = FLCEPolicy.default()
+    assert policy.resolve(Problem(*shape, dtype="bfloat16"), device).slab_form == "scaled_exp_ws"
+    forms = {}
+    for method in softcap_methods(policy):
+        geometry = method.plan(Problem(*shape, dtype="bfloat16"), device)
+        forms[method.name] = geometry.slab_form
+        chunk, peak = predicted_peak(method, shape, device)
+        assert (chunk, peak > geometry.slab_bytes) == (geometry.chunk_size, True), method.name
+    assert forms == {
+        "ours_softcap30_bf16": "scaled_exp_rows",
+        "ours_softcap30_eager_bf16": "logits",
+        "ours_softcap30_logits_bf16": "logits",
+        "liger_c16_softcap30_bf16": "logits",
+    }
+
+
 @pytest.mark.parametrize(
     "patterns, expected",
     [

@@ -52,7 +52,7 @@ from flce_policy.plan.weight_filter import (
 from flce_policy.plan.weight_grad_gemm import planned_weight_grad_gemm
 from flce_policy.strategies import ChunkStrategy, HeuristicC
 
-__all__ = ["CONFIG_ENV_VAR", "DEFAULT_RULE", "DeviceRule", "FLCEPolicy"]
+__all__ = ["CONFIG_ENV_VAR", "DEFAULT_RULE", "DeviceRule", "FLCEPolicy", "softcapped_geometry"]
 
 #: Names a user policy file that :meth:`FLCEPolicy.default` loads instead of the packaged one.
 CONFIG_ENV_VAR = "FLCE_POLICY_CONFIG"
@@ -485,11 +485,8 @@ class FLCEPolicy:
         # the form as the engine chose it for the strategy's rows (a strategy that chose none: from the logits slab)
         asked = geometry if strategy.decides_slab_form() else geometry.with_slab_form("logits")
         form_reason = form_choice(strategy, asked, device, self.slab_form_for(device)).reason
-        routing = _softcap_routing(geometry, softcap, softcap_rounding)
-        call_form = "logits" if routing else call_slab_form(geometry.slab_form, softcap, argmax_or_entropy=False)
-        if call_form != geometry.slab_form:
-            geometry = geometry.with_slab_form(call_form)
-            form_reason = routing or "a softcap, which the warp-specialised GEMM does not compute (the Triton GEMM does)"
+        geometry, softcap_reason = softcapped_geometry(geometry, softcap, softcap_rounding)
+        form_reason = softcap_reason or form_reason
         peak = predict_peak(geometry, master_dtype=master_dtype)
         rates = strategy.planned_rates(device)
         predicted = predict_seconds(geometry, rates)
@@ -699,12 +696,23 @@ def _filter_times(geometry: Geometry, rates: Any) -> dict[str, Any]:
     }
 
 
-def _softcap_routing(geometry: Geometry, softcap: float | None, softcap_rounding: str) -> str | None:
-    """Why a loss call with ``softcap`` (no bias or smoothing, gradients in the forward) runs ``geometry`` on the
-    logits slab, as :func:`flce_policy.call.resolve.geometry_for_call` routes it; None where it runs as planned."""
+def softcapped_geometry(
+    geometry: Geometry, softcap: float | None, softcap_rounding: str = "fp32"
+) -> tuple[Geometry, str | None]:
+    """``geometry`` in the slab form a loss call with ``softcap`` runs (no bias or label smoothing, gradients in the
+    forward), as :func:`flce_policy.call.resolve.geometry_for_call` routes it, and why where that form differs."""
     if softcap is None or not is_scaled_exp(geometry.slab_form):
-        return None
-    return routing_on(geometry.slab_form, geometry.problem.dtype, softcap, eager_rounding=softcap_rounding == "eager")
+        return geometry, None
+    routing = routing_on(
+        geometry.slab_form, geometry.problem.dtype, softcap, eager_rounding=softcap_rounding == "eager"
+    )
+    if routing is not None:
+        return geometry.with_slab_form("logits"), routing
+    call_form = call_slab_form(geometry.slab_form, softcap, argmax_or_entropy=False)
+    if call_form == geometry.slab_form:
+        return geometry, None
+    why = "a softcap, which the warp-specialised GEMM does not compute (the Triton GEMM does)"
+    return geometry.with_slab_form(call_form), why
 
 
 def _softcap_note(softcap: float | None, softcap_rounding: str) -> str:
