@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # QuACK (quack-kernels 0.6.5, nvidia-cutlass-dsl 4.8.1) for the bench's `quack` rows, from wheels in one folder:
 #   bash benchmarks/install_quack.sh WHEEL_DIR [TARGET]      (TARGET default /tmp/quack/site-packages)
-# prints the PYTHONPATH entries to add. A wheel too large for one transfer may come as split(1) parts
-# NAME.part.aa, NAME.part.ab, ...: they are joined first (NAME: the wheel's file name, or any name, then read
-# from the wheel's own metadata). Two traps (../shared/INTEGRATION-NOTES.md): QuACK wants a path holding
+# prints the PYTHONPATH entries to add, or fails naming the wheels its tree lacks. A wheel too large for one transfer
+# may come as split(1) parts NAME.part.aa, NAME.part.ab, ...: they are joined first (NAME: the wheel's file name, or
+# any name, then read from the wheel's own metadata). Two traps (../shared/INTEGRATION-NOTES.md): QuACK wants a path holding
 # /site-packages/, and nvidia-cutlass-dsl's .pth file does not run from a --target folder, so its
 # dsl_packages folder goes on PYTHONPATH too.
 set -euo pipefail
@@ -28,4 +28,13 @@ print(wheel.split(".dist-info/")[0] + "-" + tag + ".whl")' "$joined")" ;;
 done
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$target" "$work"/*.whl >&2
 rm -rf "$work"
+# each wheel installs a part of one tree: a part left out surfaces only as an import error at QuACK's first call
+missing=""
+[ -f "$target/quack/linear_cross_entropy.py" ] || missing="$missing quack-kernels"
+[ -d "$target/nvidia_cutlass_dsl/dsl_packages/cutlass/cutlass_dsl" ] || missing="$missing nvidia-cutlass-dsl-libs-core"
+[ -d "$target/nvidia_cutlass_dsl/dsl_packages/cutlass/_mlir" ] || missing="$missing nvidia-cutlass-dsl-libs-base"
+if [ -n "$missing" ]; then
+  echo "install_quack.sh: QuACK will not import from $target: no wheel of${missing} in $src" >&2
+  exit 1
+fi
 echo "$target:$target/nvidia_cutlass_dsl/dsl_packages"

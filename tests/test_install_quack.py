@@ -7,13 +7,23 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "install_quack.sh"
 
 
-def _wheel(path: Path, name: str, module_text: str) -> None:
+#: A file from each wheel whose tree QuACK imports: quack-kernels, nvidia-cutlass-dsl-libs-core and -libs-base.
+QUACK_TREES = {
+    "quack_kernels": "quack/linear_cross_entropy.py",
+    "cutlass_core": "nvidia_cutlass_dsl/dsl_packages/cutlass/cutlass_dsl/__init__.py",
+    "cutlass_base": "nvidia_cutlass_dsl/dsl_packages/cutlass/_mlir/__init__.py",
+}
+
+
+def _wheel(path: Path, name: str, module_text: str, file_name: str | None = None) -> None:
     dist = f"{name}-0.1.dist-info"
     with zipfile.ZipFile(path, "w") as z:
-        z.writestr(f"{name}.py", module_text)
+        z.writestr(file_name or f"{name}.py", module_text)
         z.writestr(f"{dist}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
         z.writestr(f"{dist}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
         z.writestr(f"{dist}/RECORD", "")
@@ -26,9 +36,16 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+def _quack_trees(wheels: Path, leave_out: str = "") -> None:
+    for name, file_name in QUACK_TREES.items():
+        if name != leave_out:
+            _wheel(wheels / f"{name}-0.1-py3-none-any.whl", name, "", file_name)
+
+
 def test_split_parts_are_joined_by_the_wheel_s_own_name_and_installed(tmp_path):
     wheels = tmp_path / "wheels"
     wheels.mkdir()
+    _quack_trees(wheels)
     _wheel(wheels / "whole_pkg-0.1-py3-none-any.whl", "whole_pkg", "VALUE = 1\n")
     big = tmp_path / "big.whl"
     _wheel(big, "split_pkg", "VALUE = 2\n" + "# padding\n" * 2000)
@@ -44,8 +61,26 @@ def test_split_parts_are_joined_by_the_wheel_s_own_name_and_installed(tmp_path):
     assert done.stdout.strip() == f"{target}:{target}/nvidia_cutlass_dsl/dsl_packages"
     assert (target / "whole_pkg.py").read_text() == "VALUE = 1\n"
     assert (target / "split_pkg.py").read_text().startswith("VALUE = 2\n")
-    left = sorted(p.name for p in wheels.iterdir())
+    left = sorted(p.name for p in wheels.iterdir() if not p.name.startswith(tuple(QUACK_TREES)))
     assert left == ["cu13.part.aa", "cu13.part.ab", "whole_pkg-0.1-py3-none-any.whl"]  # the source as it was
+
+
+@pytest.mark.parametrize(
+    ("leave_out", "named"),
+    [
+        ("cutlass_core", "nvidia-cutlass-dsl-libs-core"),
+        ("cutlass_base", "nvidia-cutlass-dsl-libs-base"),
+        ("quack_kernels", "quack-kernels"),
+    ],
+)
+def test_a_tree_quack_imports_left_out_fails_naming_its_wheel(tmp_path, leave_out, named):
+    # the libs-core wheel (cutlass.cutlass_dsl) left out had passed, and QuACK failed at its first call
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _quack_trees(wheels, leave_out)
+    done = _run(str(wheels), str(tmp_path / "q" / "site-packages"))
+    assert done.returncode == 1 and done.stdout == ""
+    assert f"no wheel of {named} in {wheels}" in done.stderr
 
 
 def test_a_target_without_site_packages_is_refused(tmp_path):
