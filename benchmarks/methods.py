@@ -516,8 +516,8 @@ def _softcap_plan(policy: FLCEPolicy, options: dict[str, Any]) -> Plan:
 
     def plan(problem: Problem, device: DeviceInfo) -> Geometry:
         geometry = policy.resolve(problem, device)
-        if options.get("slab_form") == "logits":
-            return geometry.with_slab_form("logits")
+        if "slab_form" in options:  # the row's pin, as the loss takes it before the call's routing
+            geometry = geometry.with_slab_form(options["slab_form"])
         return softcapped_geometry(geometry, options["softcap"], rounding)[0]
 
     return plan

@@ -23,7 +23,7 @@ from flce_policy.plan.form_choice import pinned_slab_form
 from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.oom import DEFAULT_OOM_FALLBACK
 from flce_policy.plan.problem import Problem
-from flce_policy.plan.scaled_exp import call_slab_form, is_scaled_exp, routing_on
+from flce_policy.plan.scaled_exp import call_form, is_scaled_exp
 from flce_policy.strategies import ChunkStrategy
 
 if TYPE_CHECKING:
@@ -126,25 +126,21 @@ def _policy_around(strategy: ChunkStrategy) -> FLCEPolicy:
 def geometry_for_call(
     geometry: Geometry, options: LossOptions, device: torch.device, *, bias: bool, grads: bool
 ) -> Geometry:
-    """``geometry`` in the form the call pins (``options.slab_form``; None: the geometry's), or its copy on the logits
-    slab where it asks for the scaled-exp slab and the call (:func:`flce_policy.plan.scaled_exp.call_routing`: its
-    options, ``bias``, ``grads`` in the forward) or the device (TMA: Hopper or later) cannot run it, or on the
-    row-scaled form where it asks for the warp-specialised GEMM and the call needs what only the Triton GEMM computes
-    (:func:`flce_policy.plan.scaled_exp.call_slab_form`)."""
+    """``geometry`` in the form the call pins (``options.slab_form``; None: the geometry's), then in the form the
+    call runs (:func:`flce_policy.plan.scaled_exp.call_form`: its options, ``bias``, ``grads`` in the forward), or on
+    the logits slab where the device cannot run the scaled-exp slab (TMA: Hopper or later)."""
     if options.slab_form is not None and options.slab_form != geometry.slab_form:
         geometry = _pinned(geometry, options.slab_form, device)
     if not is_scaled_exp(geometry.slab_form):
         return geometry
-    if tma_device(device) and _routing(options, geometry.slab_form, geometry.problem.dtype, bias, grads) is None:
-        return _with_slab_form(
-            geometry, call_slab_form(geometry.slab_form, options.softcap, argmax_or_entropy=_argmax_or_entropy(options))
-        )
-    return _with_slab_form(geometry, "logits")
+    if not tma_device(device):
+        return _with_slab_form(geometry, "logits")
+    return _with_slab_form(geometry, _call_form(options, geometry.slab_form, geometry.problem.dtype, bias, grads))
 
 
 @functools.lru_cache(maxsize=256)
-def _routing(options: LossOptions, slab_form: str, dtype: str, bias: bool, grads: bool) -> str | None:
-    return routing_on(
+def _call_form(options: LossOptions, slab_form: str, dtype: str, bias: bool, grads: bool) -> str:
+    return call_form(
         slab_form,
         dtype,
         options.softcap,
@@ -153,7 +149,7 @@ def _routing(options: LossOptions, slab_form: str, dtype: str, bias: bool, grads
         label_smoothing=options.label_smoothing,
         grads=grads,
         argmax_or_entropy=_argmax_or_entropy(options),
-    )
+    )[0]
 
 
 def _argmax_or_entropy(options: LossOptions) -> bool:

@@ -36,9 +36,8 @@ from flce_policy.plan.scaled_exp import (
     SCALED_EXP_TILE,
     SOFTCAP_LIMIT,
     WS_TILE,
-    call_slab_form,
+    call_form,
     is_scaled_exp,
-    routing_on,
 )
 from flce_policy.plan.units import format_bytes, parse_bytes
 from flce_policy.plan.weight_filter import (
@@ -703,16 +702,10 @@ def softcapped_geometry(
     forward), as :func:`flce_policy.call.resolve.geometry_for_call` routes it, and why where that form differs."""
     if softcap is None or not is_scaled_exp(geometry.slab_form):
         return geometry, None
-    routing = routing_on(
+    form, why = call_form(
         geometry.slab_form, geometry.problem.dtype, softcap, eager_rounding=softcap_rounding == "eager"
     )
-    if routing is not None:
-        return geometry.with_slab_form("logits"), routing
-    call_form = call_slab_form(geometry.slab_form, softcap, argmax_or_entropy=False)
-    if call_form == geometry.slab_form:
-        return geometry, None
-    why = "a softcap, which the warp-specialised GEMM does not compute (the Triton GEMM does)"
-    return geometry.with_slab_form(call_form), why
+    return (geometry, None) if why is None else (geometry.with_slab_form(form), why)
 
 
 def _softcap_note(softcap: float | None, softcap_rounding: str) -> str:

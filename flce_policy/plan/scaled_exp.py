@@ -30,9 +30,8 @@ __all__ = [
     "SOFTCAP_LIMIT",
     "WS_TILE",
     "WS_COMPUTE_CAPABILITY",
+    "call_form",
     "call_routing",
-    "call_slab_form",
-    "routing_on",
     "is_scaled_exp",
     "runnable_slab_form",
     "scaled_exp_scratch_bytes",
@@ -130,7 +129,7 @@ def call_routing(
     return None
 
 
-def routing_on(
+def call_form(
     slab_form: str,
     dtype: str,
     softcap: Any,
@@ -140,20 +139,19 @@ def routing_on(
     label_smoothing: float = 0.0,
     grads: bool = True,
     argmax_or_entropy: bool = False,
-) -> str | None:
-    """:func:`call_routing` of a call on ``slab_form`` with ``dtype`` logits, its row-scaled form decided by
-    :func:`row_scaled` from the call's ``bias`` and ``label_smoothing`` and whether its forward has ``grads``."""
+) -> tuple[str, str | None]:
+    """The slab form a call on the scaled-exp ``slab_form`` runs, and why where it is not ``slab_form``: the logits
+    slab where :func:`call_routing` says so (the row-scaled form decided by :func:`row_scaled` from the call's
+    ``bias``, ``label_smoothing``, ``dtype`` and whether its forward has ``grads``); ``"scaled_exp_rows"`` for a
+    ``"scaled_exp_ws"`` call with a softcap, the argmax or the entropy, which the warp-specialised GEMM does not
+    compute (the row-scaled form's Triton GEMM does, in its own tiles)."""
     rows = grads and row_scaled(slab_form, bias=bias, label_smoothing=label_smoothing, dtype=dtype)
-    return call_routing(softcap, eager_rounding=eager_rounding, row_scaled=rows, argmax_or_entropy=argmax_or_entropy)
-
-
-def call_slab_form(slab_form: str, softcap: Any, *, argmax_or_entropy: bool) -> str:
-    """The scaled-exp form a call that :func:`call_routing` keeps on ``slab_form`` runs: ``"scaled_exp_rows"`` for a
-    ``"scaled_exp_ws"`` call with a softcap, the argmax or the entropy, which the warp-specialised GEMM does not compute
-    (the row-scaled form's Triton GEMM does, in its own tiles), else ``slab_form``."""
+    routing = call_routing(softcap, eager_rounding=eager_rounding, row_scaled=rows, argmax_or_entropy=argmax_or_entropy)
+    if routing is not None:
+        return "logits", routing
     if slab_form == "scaled_exp_ws" and (softcap is not None or argmax_or_entropy):
-        return "scaled_exp_rows"
-    return slab_form
+        return "scaled_exp_rows", "the warp-specialised GEMM does not compute a softcap, the argmax or the entropy"
+    return slab_form, None
 
 
 def is_scaled_exp(slab_form: str) -> bool:
