@@ -5,13 +5,14 @@
 
 - per chunk (``--gemm``, ``--rows``): ``grad_weight (+)= G.T @ x_c`` for a chunk of N rows, cuBLAS's beta=1 GEMM
   (a chunk after the first), its beta=0 GEMM (the first) and the Gluon kernel
-  (:mod:`flce_policy.kernels.weight_grad_gemm`, accumulating), each timed alone behind a busy start;
+  (:mod:`flce_policy.kernels.weight_grad_gemm`, accumulating: reading the old block, ``gluon``, and adding in
+  memory, ``gluon_in_memory``), each timed alone behind a busy start;
 - in the loss (``--loss``, ``--chunks``): fixed chunks on the logits and the row-scaled slab, each with
-  ``FLCE_POLICY_WEIGHT_GRAD_GEMM`` at ``auto`` (the rule: :mod:`flce_policy.plan.weight_grad_gemm`) and at
-  ``cublas``, and the three-GEMM floor, interleaved (each round starting one row later), busy start; the
-  median's ratio to the floor's.
+  ``FLCE_POLICY_WEIGHT_GRAD_GEMM`` at ``auto`` (the rule: :mod:`flce_policy.plan.weight_grad_gemm`), at
+  ``cublas`` and at ``reduce``, and the three-GEMM floor, interleaved (each round starting one row later), busy
+  start; the median's ratio to the floor's.
 
-Where the Gluon kernel cannot run (no Hopper GPU, no Gluon) its rows say so.
+Where the Gluon kernel cannot run (no Hopper GPU, no Gluon, no TMA bulk reduce) its rows say so.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from functools import partial
 import torch
 
 from flce_policy.kernels.gemm import accumulate_mm
-from flce_policy.kernels.weight_grad_gemm import weight_grad_gemm
+from flce_policy.kernels.weight_grad_gemm import reduce_add_available, weight_grad_gemm
 from flce_policy.plan.weight_grad_gemm import WEIGHT_GRAD_GEMM_ENV_VAR
 
 from .cli import int_at_least
@@ -34,19 +35,19 @@ from .measure import measure, rotated, time_call, warm_up
 from .methods import Inputs, _fixed_for_inputs, _leaf_step, gemm_floor, make_inputs, ours
 from .suite import format_shape, parse_shape
 
-__all__ = ["chunk_gemms", "loss_rows"]
+__all__ = ["available_settings", "chunk_gemms", "loss_rows"]
 
 Step = Callable[[], None]
 #: The slab forms the loss rows run, pinned.
 LOSS_FORMS = ("logits", "scaled_exp_rows")
-#: ``WEIGHT_GRAD_GEMM_ENV_VAR``'s two settings, each row run under one.
-SETTINGS = ("auto", "cublas")
+#: ``WEIGHT_GRAD_GEMM_ENV_VAR``'s settings, each row run under one.
+SETTINGS = ("auto", "cublas", "reduce")
 
 
 def chunk_gemms(vocab: int, hidden: int, rows: int, *, device: str = "cuda") -> tuple[dict[str, Step], tuple]:
-    """One chunk's grad_weight GEMM, each way: ``cublas_beta1``, ``cublas_beta0``, ``gluon`` (accumulating; raises
-    where the kernel cannot run), and the tensors they use: random bf16 ``G [rows, V]``, ``x [rows, H]`` and the
-    ``[V, H]`` gradient they write."""
+    """One chunk's grad_weight GEMM, each way: ``cublas_beta1``, ``cublas_beta0``, ``gluon`` and ``gluon_in_memory``
+    (accumulating; raise where the kernel cannot run), and the tensors they use: random bf16 ``G [rows, V]``,
+    ``x [rows, H]`` and the ``[V, H]`` gradient they write."""
     gen = torch.Generator(device=device).manual_seed(0)
     g = torch.randn(rows, vocab, device=device, generator=gen, dtype=torch.bfloat16) * 0.01
     x = torch.randn(rows, hidden, device=device, generator=gen, dtype=torch.bfloat16)
@@ -55,8 +56,14 @@ def chunk_gemms(vocab: int, hidden: int, rows: int, *, device: str = "cuda") -> 
         "cublas_beta1": lambda: accumulate_mm(grad_weight, g.t(), x, first=False),
         "cublas_beta0": lambda: accumulate_mm(grad_weight, g.t(), x, first=True),
         "gluon": lambda: weight_grad_gemm(grad_weight, g, x, first=False),
+        "gluon_in_memory": lambda: weight_grad_gemm(grad_weight, g, x, first=False, add_in_memory=True),
     }
     return steps, (g, x, grad_weight)
+
+
+def available_settings() -> tuple[str, ...]:
+    """:data:`SETTINGS` less "reduce" where this Triton has no TMA bulk reduce (its rows would raise)."""
+    return SETTINGS if reduce_add_available() else tuple(s for s in SETTINGS if s != "reduce")
 
 
 def loss_rows(inputs: Inputs, chunks: Sequence[int]) -> dict[str, tuple[Step, str | None]]:
@@ -66,7 +73,7 @@ def loss_rows(inputs: Inputs, chunks: Sequence[int]) -> dict[str, tuple[Step, st
     for chunk in chunks:
         for form in LOSS_FORMS:
             step = _leaf_step(inputs, ours(partial(_fixed_for_inputs, chunk, form))(inputs))
-            for setting in SETTINGS:
+            for setting in available_settings():
                 rows[f"{form}_chunk{chunk}_{setting}"] = (step, setting)
     return rows
 

@@ -33,6 +33,25 @@ __all__ = ["gluon_available", "launch_row_scaled_exp_gemm", "row_scaled_exp_gemm
 _LAUNCH = (64, 4, 16, 240, 24)
 _LOG2E = 1.4426950408889634
 
+
+def _tma_reduce_add_builder():
+    """``async_atomic_add(desc, coord, smem)`` on a Gluon builder with the op but no Python name for it, else None."""
+    try:
+        from triton._C.libtriton import gluon_ir, ir
+        from triton.experimental.gluon.language._core import builtin
+    except ImportError:
+        return None
+    if not hasattr(gluon_ir.GluonOpBuilder, "create_async_tma_reduce") or not hasattr(ir, "DESCRIPTOR_REDUCE_KIND"):
+        return None
+
+    @builtin
+    def async_atomic_add(tensor_desc, coord, src, _semantic=None):
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+    return async_atomic_add
+
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -48,6 +67,9 @@ try:
     # Triton 3.6 names the TMA copies async_copy_*; later releases async_load / async_store (the old names raise)
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    # the bulk tensor reduce (cp.reduce.async.bulk.tensor .add): async_atomic_add in later Tritons; 3.6's Gluon builds
+    # the op but has no Python name for it; None where neither is there
+    tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_builder()
     _GLUON_ERROR: Exception | None = None
 except (ImportError, AttributeError) as exc:  # a Triton without Gluon's Hopper API
     _GLUON_ERROR = exc

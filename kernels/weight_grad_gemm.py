@@ -8,7 +8,8 @@ Here the read overlaps the tensor cores: a persistent warp-specialised kernel wh
 of grad_weight into its consumer's buffer; two consumer warpgroups take the CTA's tiles in turn (as
 :mod:`.gluon_exp_gemm`'s do), so one adds the fetched block to its accumulator and stores the sum while the other's
 wgmma runs. G's tile is loaded as it lies, ``[BLOCK_K, 128]`` of a row-major ``[n, V]``, and fed to wgmma
-transposed.
+transposed. Adding in memory instead (``add_in_memory``), the epilogue hands its bf16 tile to TMA's bulk reduce,
+which adds it to the old block in the memory system: nothing is fetched into the SM.
 
 Where it runs rather than cuBLAS (the GPUs and chunk rows it was measured faster at):
 :mod:`flce_policy.plan.weight_grad_gemm`; :func:`accumulate_weight_grad` is the drivers' one call for either.
@@ -23,14 +24,18 @@ import functools
 import torch
 
 from flce_policy.plan.device import family_from_name
-from flce_policy.plan.weight_grad_gemm import gluon_weight_grad_rows
+from flce_policy.plan.weight_grad_gemm import (
+    WEIGHT_GRAD_GEMM_ENV_VAR,
+    gluon_weight_grad_rows,
+    weight_grad_added_in_memory,
+)
 
 from .gemm import accumulate_mm
 from .gluon_exp_gemm import gluon_available, sm_count
 from .interpreter import KERNELS_INTERPRETED
 from .tma import tma_tensors
 
-__all__ = ["accumulate_weight_grad", "weight_grad_gemm", "launch_weight_grad_gemm"]
+__all__ = ["accumulate_weight_grad", "weight_grad_gemm", "launch_weight_grad_gemm", "reduce_add_available"]
 
 #: Output tile (V rows and H columns of grad_weight) and K-step (chunk rows).
 _TILE, _BLOCK_K = 128, 64
@@ -47,14 +52,18 @@ if gluon_available():
         mbarrier,
         tma,
         tma_load,
+        tma_reduce_add,
         tma_store,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
 
+    # a Triton without the bulk reduce compiles the store in its place: the host never asks for UPDATE 2 there
+    _reduce_add = tma_reduce_add or tma_store
+
     @gluon.jit
     def _producer(g_desc, x_desc, out_desc, a_bufs, b_bufs, c_bufs, ready, empty, c_ready, c_empty, n_vocab,
-                  n_hidden, n_rows, STAGES: gl.constexpr, LOAD_C: gl.constexpr):  # fmt: skip
+                  n_hidden, n_rows, STAGES: gl.constexpr, UPDATE: gl.constexpr):  # fmt: skip
         BLOCK_K: gl.constexpr = g_desc.block_type.shape[0]
         BLOCK_M: gl.constexpr = g_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = x_desc.block_type.shape[1]
@@ -73,7 +82,7 @@ if gluon_available():
                 tma_load(g_desc, [kk * BLOCK_K, off_m], ready.index(s), a_bufs.index(s))
                 tma_load(x_desc, [kk * BLOCK_K, off_n], ready.index(s), b_bufs.index(s))
                 it += 1
-            if LOAD_C:
+            if UPDATE == 1:
                 # after the tile's operands: the consumer has freed this buffer (its store two tiles back is done)
                 # before it started the tile, so this wait never holds the ring back
                 w = j % 2
@@ -84,7 +93,7 @@ if gluon_available():
 
     @gluon.jit
     def _consumer(g_desc, x_desc, out_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, c_ready, c_empty, n_vocab,
-                  n_hidden, n_rows, STAGES: gl.constexpr, LOAD_C: gl.constexpr, WHICH: gl.constexpr):  # fmt: skip
+                  n_hidden, n_rows, STAGES: gl.constexpr, UPDATE: gl.constexpr, WHICH: gl.constexpr):  # fmt: skip
         BLOCK_K: gl.constexpr = g_desc.block_type.shape[0]
         BLOCK_M: gl.constexpr = g_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = x_desc.block_type.shape[1]
@@ -121,19 +130,22 @@ if gluon_available():
             mbarrier.arrive(turn.index(WHICH ^ 1))
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index((base + k_tiles - 1) % STAGES))
-            if LOAD_C:
+            if UPDATE == 1:
                 mbarrier.wait(c_ready.index(WHICH), n & 1)
                 acc = acc + c_smem.load(mma_layout).to(gl.float32)
             # each thread writes back the elements it read: no other thread's read is overtaken
             c_smem.store(acc.to(out_desc.dtype))
             fence_async_shared()
-            tma_store(out_desc, [off_m, off_n], c_smem)  # clipped at V rows and H columns
+            if UPDATE == 2:
+                _reduce_add(out_desc, [off_m, off_n], c_smem)  # the memory system adds it to the old block
+            else:
+                tma_store(out_desc, [off_m, off_n], c_smem)  # clipped at V rows and H columns
             n += 1
         tma.store_wait(pendings=0)
 
     @gluon.jit
     def _weight_grad_kernel(g_desc, x_desc, out_desc, n_vocab, n_hidden, n_rows, STAGES: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, LOAD_C: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, UPDATE: gl.constexpr,
                             num_warps: gl.constexpr):  # fmt: skip
         gl.static_assert(num_warps == 4, "the default partition is consumer 0: one warpgroup")
         BLOCK_K: gl.constexpr = g_desc.block_type.shape[0]
@@ -158,11 +170,11 @@ if gluon_available():
         gl.warp_specialize(
             [
                 (_consumer, (g_desc, x_desc, out_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, c_ready, c_empty,
-                             n_vocab, n_hidden, n_rows, STAGES, LOAD_C, 0)),
+                             n_vocab, n_hidden, n_rows, STAGES, UPDATE, 0)),
                 (_consumer, (g_desc, x_desc, out_desc, a_bufs, b_bufs, c_bufs, ready, empty, turn, c_ready, c_empty,
-                             n_vocab, n_hidden, n_rows, STAGES, LOAD_C, 1)),
+                             n_vocab, n_hidden, n_rows, STAGES, UPDATE, 1)),
                 (_producer, (g_desc, x_desc, out_desc, a_bufs, b_bufs, c_bufs, ready, empty, c_ready, c_empty,
-                             n_vocab, n_hidden, n_rows, STAGES, LOAD_C)),
+                             n_vocab, n_hidden, n_rows, STAGES, UPDATE)),
             ],
             [4, 1],
             [CONSUMER_REGS, PRODUCER_REGS],
@@ -202,14 +214,20 @@ def accumulate_weight_grad(grad_weight: torch.Tensor, g: torch.Tensor, x: torch.
         and x.shape[1] % 8 == 0
         and tma_tensors(g, x, grad_weight)
     ):
-        launch_weight_grad_gemm(grad_weight, g, x, first=first)
+        launch_weight_grad_gemm(
+            grad_weight, g, x, first=first, add_in_memory=not first and weight_grad_added_in_memory()
+        )
     else:
         accumulate_mm(grad_weight, g.t(), x, first=first)
 
 
-def weight_grad_gemm(grad_weight: torch.Tensor, g: torch.Tensor, x: torch.Tensor, *, first: bool) -> None:
+def weight_grad_gemm(
+    grad_weight: torch.Tensor, g: torch.Tensor, x: torch.Tensor, *, first: bool, add_in_memory: bool = False
+) -> None:
     """``grad_weight (+)= g.T @ x`` in place (``first``: overwrite, grad_weight unread), fp32 accumulation of each
-    tile's products, rounded once to bf16 after adding the tile's previous value.
+    tile's products, rounded once to bf16 after adding the tile's previous value; with ``add_in_memory`` the
+    products are rounded to bf16 and the memory system adds them to the old value (TMA's bulk reduce, rounded again):
+    the SMs never read grad_weight.
 
     ``grad_weight`` bf16 ``[V, H]`` contiguous; ``g`` bf16 ``[n, V]`` and ``x`` bf16 ``[n, H]`` with contiguous
     rows; V, H multiples of 8; all on one Hopper GPU. ValueError or RuntimeError otherwise."""
@@ -218,7 +236,7 @@ def weight_grad_gemm(grad_weight: torch.Tensor, g: torch.Tensor, x: torch.Tensor
         raise RuntimeError("the grad_weight GEMM needs Triton's Gluon Hopper API, absent here")
     if torch.cuda.get_device_capability(g.device)[0] != 9:
         raise RuntimeError("the grad_weight GEMM runs on Hopper (sm_90) only: wgmma")
-    launch_weight_grad_gemm(grad_weight, g, x, first=first)
+    launch_weight_grad_gemm(grad_weight, g, x, first=first, add_in_memory=add_in_memory)
 
 
 def _check(grad_weight: torch.Tensor, g: torch.Tensor, x: torch.Tensor) -> None:
@@ -241,8 +259,20 @@ def _check(grad_weight: torch.Tensor, g: torch.Tensor, x: torch.Tensor) -> None:
         raise ValueError(f"V ({vocab}) and H ({hidden}) must be multiples of 8 (TMA: 16-byte row strides)")
 
 
-def launch_weight_grad_gemm(grad_weight: torch.Tensor, g: torch.Tensor, x: torch.Tensor, *, first: bool) -> None:
+def reduce_add_available() -> bool:
+    """Whether this Triton's Gluon has the TMA bulk reduce that ``add_in_memory`` uses."""
+    return gluon_available() and tma_reduce_add is not None
+
+
+def launch_weight_grad_gemm(
+    grad_weight: torch.Tensor, g: torch.Tensor, x: torch.Tensor, *, first: bool, add_in_memory: bool = False
+) -> None:
     """:func:`weight_grad_gemm` with nothing checked: the driver's launch on tensors its routing let through."""
+    if add_in_memory and not reduce_add_available():  # the kernel would compile a plain store in its place
+        raise RuntimeError(
+            f"adding grad_weight in memory ({WEIGHT_GRAD_GEMM_ENV_VAR}=reduce) needs TMA's bulk reduce in Triton's "
+            "Gluon, which this Triton lacks"
+        )
     n, vocab = g.shape
     hidden = x.shape[1]
     if n == 0:
@@ -257,5 +287,5 @@ def launch_weight_grad_gemm(grad_weight: torch.Tensor, g: torch.Tensor, x: torch
     tiles = -(-vocab // _TILE) * -(-hidden // _TILE)
     _weight_grad_kernel[(min(sm_count(g.device), tiles),)](
         g_desc, x_desc, c_desc, vocab, hidden, n, STAGES=stages, CONSUMER_REGS=consumer_regs,
-        PRODUCER_REGS=producer_regs, LOAD_C=not first, num_warps=4,
+        PRODUCER_REGS=producer_regs, UPDATE=0 if first else 2 if add_in_memory else 1, num_warps=4,
     )  # fmt: skip

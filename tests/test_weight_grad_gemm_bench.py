@@ -20,19 +20,22 @@ def test_the_per_chunk_gemms_write_the_product():
     torch.testing.assert_close(grad_weight.double(), product, rtol=2**-7, atol=1e-3)
     steps["cublas_beta1"]()
     torch.testing.assert_close(grad_weight.double(), 2 * product, rtol=2**-7, atol=2e-3)
-    with pytest.raises(ValueError, match="one CUDA device"):  # the Gluon kernel's row says why it did not run
-        steps["gluon"]()
+    for name in ("gluon", "gluon_in_memory"):
+        with pytest.raises(ValueError, match="one CUDA device"):  # the Gluon kernel's rows say why they did not run
+            steps[name]()
 
 
 def test_the_loss_rows_run_each_under_its_setting(monkeypatch):
     monkeypatch.setenv(WEIGHT_GRAD_GEMM_ENV_VAR, "auto")  # restored after the test, whatever the rows set
     rows = bench.loss_rows(make_inputs(24, 16, 64, logit_std=4.0, device="cpu"), [8])
-    assert list(rows) == ["floor"] + [f"{form}_chunk8_{s}" for form in bench.LOSS_FORMS for s in bench.SETTINGS]
+    settings = bench.available_settings()
+    assert settings[:2] == ("auto", "cublas") and set(settings) <= {"auto", "cublas", "reduce"}
+    assert list(rows) == ["floor"] + [f"{form}_chunk8_{s}" for form in bench.LOSS_FORMS for s in settings]
     seen = []
     for step, setting in rows.values():
         bench._under(lambda: seen.append(os.environ.get(WEIGHT_GRAD_GEMM_ENV_VAR)), setting)()
         step()  # the floor's GEMMs, or a fwd+bwd of the loss at 8-row chunks
-    assert seen == ["auto"] + list(bench.SETTINGS) * 2  # the floor leaves it as it was
+    assert seen == ["auto"] + list(settings) * 2  # the floor leaves it as it was
 
 
 @pytest.mark.parametrize("round_index, want", [(0, [1, 2, 3]), (1, [2, 3, 1]), (5, [3, 1, 2])])

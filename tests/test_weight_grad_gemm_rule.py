@@ -26,16 +26,37 @@ def test_rows_by_gpu_and_chunk(family, first, want, monkeypatch):
     assert gluon_weight_grad_rows(family, first=first) == want
 
 
-@pytest.mark.parametrize("value, want", [("cublas", 0), (" CUBLAS ", 0), ("auto", 384), ("", 384)])
+@pytest.mark.parametrize(
+    "value, want", [("cublas", 0), (" CUBLAS ", 0), ("auto", 384), ("", 384), ("reduce", 2**31 - 1)]
+)
 def test_the_setting_pins_cublas(value, want, monkeypatch):
     monkeypatch.setenv(WEIGHT_GRAD_GEMM_ENV_VAR, value)
     assert gluon_weight_grad_rows("H100", first=False) == want
 
 
+@pytest.mark.parametrize("family, want", [("H100", 2**31 - 1), ("H200", 2**31 - 1), ("GH200", 2**31 - 1),
+                                          ("A100", 0), ("B200", 0), ("unknown", 0)])  # fmt: skip
+def test_reduce_pins_the_kernel_at_any_rows_on_hopper_only(family, want, monkeypatch):
+    monkeypatch.setenv(WEIGHT_GRAD_GEMM_ENV_VAR, "reduce")
+    assert gluon_weight_grad_rows(family, first=False) == want
+    assert gluon_weight_grad_rows(family, first=True) == 0  # the first chunk has nothing to add to
+
+
 def test_a_bad_setting_names_the_variable(monkeypatch):
     monkeypatch.setenv(WEIGHT_GRAD_GEMM_ENV_VAR, "gluon-always")
-    with pytest.raises(ValueError, match=f"{WEIGHT_GRAD_GEMM_ENV_VAR}='gluon-always': expected one of auto, cublas"):
+    with pytest.raises(
+        ValueError, match=f"{WEIGHT_GRAD_GEMM_ENV_VAR}='gluon-always': expected one of auto, cublas, reduce"
+    ):
         gluon_weight_grad_rows("H100", first=False)
+
+
+def test_adding_in_memory_without_the_bulk_reduce_names_the_setting(monkeypatch):
+    from flce_policy.kernels import weight_grad_gemm as module
+
+    monkeypatch.setattr(module, "reduce_add_available", lambda: False)
+    g, x = torch.zeros(8, 16).bfloat16(), torch.zeros(8, 8).bfloat16()
+    with pytest.raises(RuntimeError, match=f"{WEIGHT_GRAD_GEMM_ENV_VAR}=reduce.*lacks"):
+        module.launch_weight_grad_gemm(torch.zeros(16, 8).bfloat16(), g, x, first=False, add_in_memory=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -12,13 +12,17 @@ The first chunk, with nothing to read, stays on cuBLAS (0.86-1.19x either way up
 is the same either way: this picks an implementation of one GEMM, not the rows or the memory. Raw output:
 results/2026-12-05-h100/README.md (``weight_grad_gemm_bench``).
 
-``FLCE_POLICY_WEIGHT_GRAD_GEMM=cublas`` keeps every chunk on cuBLAS (``auto``, the default: this rule).
+``FLCE_POLICY_WEIGHT_GRAD_GEMM=cublas`` keeps every chunk on cuBLAS (``auto``, the default: this rule);
+``reduce`` runs every chunk after the first, at any rows, on the Gluon kernel with its update added to the old
+gradient by TMA's bulk reduce (on any Hopper GPU whose Triton has it), the SMs never reading the gradient.
 """
 
 from __future__ import annotations
 
 import os
 from typing import TYPE_CHECKING
+
+from flce_policy.plan.device import KNOWN_GPUS
 
 if TYPE_CHECKING:  # the annotation only: geometry imports nothing of this module either
     from flce_policy.plan.geometry import Geometry
@@ -28,6 +32,7 @@ __all__ = [
     "GLUON_WEIGHT_GRAD_MAX_ROWS",
     "WEIGHT_GRAD_GEMM_ENV_VAR",
     "gluon_weight_grad_rows",
+    "weight_grad_added_in_memory",
     "planned_weight_grad_gemm",
     "weight_grad_gemm_setting",
 ]
@@ -36,9 +41,12 @@ __all__ = [
 GLUON_WEIGHT_GRAD_FAMILIES = frozenset({"H100"})
 #: The most rows a chunk after the first may have for its grad_weight to run on the Gluon kernel.
 GLUON_WEIGHT_GRAD_MAX_ROWS = 384
-#: The environment variable that pins grad_weight's GEMM: "auto" (this rule) or "cublas".
+#: The environment variable that pins grad_weight's GEMM: "auto" (this rule), "cublas" or "reduce".
 WEIGHT_GRAD_GEMM_ENV_VAR = "FLCE_POLICY_WEIGHT_GRAD_GEMM"
-_SETTINGS = ("auto", "cublas")
+_SETTINGS = ("auto", "cublas", "reduce")
+#: "reduce"'s limit: every row count, on the GPU families that run the kernel (sm_90: wgmma and TMA).
+_ANY_ROWS = 2**31 - 1
+_HOPPER_FAMILIES = frozenset(gpu.family for gpu in KNOWN_GPUS if gpu.compute_capability == (9, 0))
 
 
 def weight_grad_gemm_setting() -> str:
@@ -52,10 +60,20 @@ def weight_grad_gemm_setting() -> str:
 
 def gluon_weight_grad_rows(family: str, *, first: bool) -> int:
     """The most chunk rows whose grad_weight GEMM runs on the Gluon kernel on a GPU of ``family``: 0 (none) for the
-    first chunk (``first``, the gradient unread), on unmeasured GPUs and wherever the setting is "cublas"."""
-    if first or family not in GLUON_WEIGHT_GRAD_FAMILIES or weight_grad_gemm_setting() == "cublas":
+    first chunk (``first``, the gradient unread), on unmeasured GPUs and wherever the setting is "cublas"; every row
+    count of a later chunk on a Hopper GPU under "reduce"."""
+    setting = weight_grad_gemm_setting()
+    if first or setting == "cublas":
         return 0
-    return GLUON_WEIGHT_GRAD_MAX_ROWS
+    if setting == "reduce":
+        return _ANY_ROWS if family in _HOPPER_FAMILIES else 0
+    return GLUON_WEIGHT_GRAD_MAX_ROWS if family in GLUON_WEIGHT_GRAD_FAMILIES else 0
+
+
+def weight_grad_added_in_memory() -> bool:
+    """Whether the Gluon kernel adds its update to the old gradient by TMA's bulk reduce (setting "reduce") rather
+    than reading the old block into the SM."""
+    return weight_grad_gemm_setting() == "reduce"
 
 
 def planned_weight_grad_gemm(geometry: Geometry, family: str, master_dtype: str | None = None) -> str:
