@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from flce_policy.plan.device import family_from_name
+from flce_policy.plan.device import WGMMA_COMPUTE_CAPABILITY, family_from_name
 from flce_policy.plan.weight_grad_gemm import (
     WEIGHT_GRAD_GEMM_ENV_VAR,
     gluon_weight_grad_rows,
@@ -194,7 +194,7 @@ def _gluon_family(device: torch.device) -> str | None:
     """``device``'s GPU family where it can run the kernel (a compiled Hopper GPU, Gluon present), else None."""
     if KERNELS_INTERPRETED or device.type != "cuda" or not gluon_available():
         return None
-    if torch.cuda.get_device_capability(device) != (9, 0):
+    if torch.cuda.get_device_capability(device) != WGMMA_COMPUTE_CAPABILITY:
         return None
     return family_from_name(torch.cuda.get_device_name(device))
 
@@ -234,7 +234,7 @@ def weight_grad_gemm(
     _check(grad_weight, g, x)
     if not gluon_available():
         raise RuntimeError("the grad_weight GEMM needs Triton's Gluon Hopper API, absent here")
-    if torch.cuda.get_device_capability(g.device)[0] != 9:
+    if torch.cuda.get_device_capability(g.device) != WGMMA_COMPUTE_CAPABILITY:
         raise RuntimeError("the grad_weight GEMM runs on Hopper (sm_90) only: wgmma")
     launch_weight_grad_gemm(grad_weight, g, x, first=first, add_in_memory=add_in_memory)
 

@@ -9,12 +9,22 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flce_policy.plan.units import format_bytes
 
-__all__ = ["DeviceInfo", "KnownGPU", "KNOWN_GPUS", "TMA_COMPUTE_CAPABILITY", "family_from_name", "DeviceSource"]
+__all__ = [
+    "DeviceInfo",
+    "KnownGPU",
+    "KNOWN_GPUS",
+    "TMA_COMPUTE_CAPABILITY",
+    "WGMMA_COMPUTE_CAPABILITY",
+    "family_from_name",
+    "DeviceSource",
+]
 
 DeviceSource = Literal["nvml", "torch", "none", "override"]
 #: The first GPUs with TMA (tensor memory accelerator) loads, which the grad_weight filter's and the scaled-exp
 #: slab's kernels use: Hopper.
 TMA_COMPUTE_CAPABILITY = (9, 0)
+#: The GPUs whose warpgroup MMA (wgmma) the Gluon GEMMs are written for: Hopper only (sm_100 has none).
+WGMMA_COMPUTE_CAPABILITY = (9, 0)
 
 _MIB = 2**20
 

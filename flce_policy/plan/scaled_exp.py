@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .device import TMA_COMPUTE_CAPABILITY, DeviceInfo
+from .device import TMA_COMPUTE_CAPABILITY, WGMMA_COMPUTE_CAPABILITY, DeviceInfo
 from .problem import Problem
 from .units import cdiv
 
@@ -60,7 +60,7 @@ SOFTCAP_LIMIT = SHIFT_LIMIT / 2
 #: accumulator; results/2026-12-02-h200-gluon-gemm/gluon_rowsum_probe.log).
 WS_TILE = 128
 #: The GPUs that run ``"scaled_exp_ws"``'s Gluon GEMM: Hopper's warpgroup MMA (sm_90 only).
-WS_COMPUTE_CAPABILITY = (9, 0)
+WS_COMPUTE_CAPABILITY = WGMMA_COMPUTE_CAPABILITY
 #: What a slab can hold: the logits (cuBLAS GEMM, a partial pass), the scaled exponentials per column tile, or
 #: (where the call allows, :func:`row_scaled`) per row, the backward GEMMs scaling the rows; that last with its
 #: GEMM warp-specialised.

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from flce_policy.plan.device import KNOWN_GPUS
+from flce_policy.plan.device import KNOWN_GPUS, WGMMA_COMPUTE_CAPABILITY
 
 if TYPE_CHECKING:  # the annotation only: geometry imports nothing of this module either
     from flce_policy.plan.geometry import Geometry
@@ -44,9 +44,9 @@ GLUON_WEIGHT_GRAD_MAX_ROWS = 384
 #: The environment variable that pins grad_weight's GEMM: "auto" (this rule), "cublas" or "reduce".
 WEIGHT_GRAD_GEMM_ENV_VAR = "FLCE_POLICY_WEIGHT_GRAD_GEMM"
 _SETTINGS = ("auto", "cublas", "reduce")
-#: "reduce"'s limit: every row count, on the GPU families that run the kernel (sm_90: wgmma and TMA).
+#: "reduce"'s limit: every row count, on the GPU families that run the kernel (its wgmma).
 _ANY_ROWS = 2**31 - 1
-_HOPPER_FAMILIES = frozenset(gpu.family for gpu in KNOWN_GPUS if gpu.compute_capability == (9, 0))
+_HOPPER_FAMILIES = frozenset(gpu.family for gpu in KNOWN_GPUS if gpu.compute_capability == WGMMA_COMPUTE_CAPABILITY)
 
 
 def weight_grad_gemm_setting() -> str:
