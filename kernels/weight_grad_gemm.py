@@ -24,11 +24,7 @@ import functools
 import torch
 
 from flce_policy.plan.device import WGMMA_COMPUTE_CAPABILITY, family_from_name
-from flce_policy.plan.weight_grad_gemm import (
-    WEIGHT_GRAD_GEMM_ENV_VAR,
-    gluon_weight_grad_rows,
-    weight_grad_added_in_memory,
-)
+from flce_policy.plan.weight_grad_gemm import WEIGHT_GRAD_GEMM_ENV_VAR, weight_grad_gemm_for
 
 from .gemm import accumulate_mm
 from .gluon_exp_gemm import gluon_available, sm_count
@@ -203,20 +199,18 @@ def accumulate_weight_grad(grad_weight: torch.Tensor, g: torch.Tensor, x: torch.
     """``grad_weight (+)= g.T @ x`` for one row chunk (``first``: overwrite): on the Gluon kernel where
     :mod:`flce_policy.plan.weight_grad_gemm` says it is faster and the tensors suit it (bf16 throughout, contiguous
     gradient, TMA-aligned rows), else cuBLAS (:func:`.gemm.accumulate_mm`). Same result either way, up to fp32
-    summation order."""
+    summation order and, added in memory, the update's own rounding to bf16."""
     family = _gluon_family(g.device)
+    gemm = "cublas" if family is None else weight_grad_gemm_for(family, g.shape[0], first=first)
     if (
-        family is not None
-        and 0 < g.shape[0] <= gluon_weight_grad_rows(family, first=first)
+        gemm != "cublas"
         and grad_weight.dtype == g.dtype == x.dtype == torch.bfloat16
         and grad_weight.is_contiguous()
         and g.shape[1] % 8 == 0
         and x.shape[1] % 8 == 0
         and tma_tensors(g, x, grad_weight)
     ):
-        launch_weight_grad_gemm(
-            grad_weight, g, x, first=first, add_in_memory=not first and weight_grad_added_in_memory()
-        )
+        launch_weight_grad_gemm(grad_weight, g, x, first=first, add_in_memory=gemm == "gluon_in_memory")
     else:
         accumulate_mm(grad_weight, g.t(), x, first=first)
 

@@ -13,33 +13,46 @@ from flce_policy.plan.geometry import Geometry
 from flce_policy.plan.problem import Problem
 from flce_policy.plan.weight_grad_gemm import (
     WEIGHT_GRAD_GEMM_ENV_VAR,
-    gluon_weight_grad_rows,
     planned_weight_grad_gemm,
+    weight_grad_gemm_for,
 )
 from flce_policy.strategies import FixedChunkSize
 
 
-@pytest.mark.parametrize("family, first, want", [("H100", False, 384), ("H100", True, 0), ("H200", False, 0),
-                                                 ("A100", True, 0), ("unknown", False, 0)])  # fmt: skip
-def test_rows_by_gpu_and_chunk(family, first, want, monkeypatch):
+@pytest.mark.parametrize(
+    "family, rows, first, want",
+    [
+        ("H100", 1, False, "gluon"),
+        ("H100", 384, False, "gluon"),  # reading the old block, up to the rule's rows
+        ("H100", 385, False, "cublas"),  # past them
+        ("H100", 256, True, "cublas"),  # the first chunk: nothing to read or add to
+        ("H200", 256, False, "cublas"),  # not measured there
+        ("A100", 256, False, "cublas"),
+        ("unknown", 512, False, "cublas"),
+    ],
+)
+def test_the_rule_by_gpu_rows_and_chunk(family, rows, first, want, monkeypatch):
     monkeypatch.delenv(WEIGHT_GRAD_GEMM_ENV_VAR, raising=False)
-    assert gluon_weight_grad_rows(family, first=first) == want
+    assert weight_grad_gemm_for(family, rows, first=first) == want
 
 
 @pytest.mark.parametrize(
-    "value, want", [("cublas", 0), (" CUBLAS ", 0), ("auto", 384), ("", 384), ("reduce", 2**31 - 1)]
-)
-def test_the_setting_pins_cublas(value, want, monkeypatch):
+    "value, rows, want",
+    [("cublas", 256, "cublas"), (" CUBLAS ", 384, "cublas"), ("auto", 256, "gluon"), ("", 512, "cublas"),
+     ("reduce", 256, "gluon_in_memory"), ("reduce", 8192, "gluon_in_memory")],
+)  # fmt: skip
+def test_the_setting_pins_a_gemm(value, rows, want, monkeypatch):
     monkeypatch.setenv(WEIGHT_GRAD_GEMM_ENV_VAR, value)
-    assert gluon_weight_grad_rows("H100", first=False) == want
+    assert weight_grad_gemm_for("H100", rows, first=False) == want
 
 
-@pytest.mark.parametrize("family, want", [("H100", 2**31 - 1), ("H200", 2**31 - 1), ("GH200", 2**31 - 1),
-                                          ("A100", 0), ("B200", 0), ("unknown", 0)])  # fmt: skip
+@pytest.mark.parametrize("family, want", [("H100", "gluon_in_memory"), ("H200", "gluon_in_memory"),
+                                          ("GH200", "gluon_in_memory"), ("A100", "cublas"), ("B200", "cublas"),
+                                          ("unknown", "cublas")])  # fmt: skip
 def test_reduce_pins_the_kernel_at_any_rows_on_hopper_only(family, want, monkeypatch):
     monkeypatch.setenv(WEIGHT_GRAD_GEMM_ENV_VAR, "reduce")
-    assert gluon_weight_grad_rows(family, first=False) == want
-    assert gluon_weight_grad_rows(family, first=True) == 0  # the first chunk has nothing to add to
+    assert weight_grad_gemm_for(family, 4096, first=False) == want
+    assert weight_grad_gemm_for(family, 4096, first=True) == "cublas"  # the first chunk has nothing to add to
 
 
 def test_a_bad_setting_names_the_variable(monkeypatch):
@@ -47,7 +60,7 @@ def test_a_bad_setting_names_the_variable(monkeypatch):
     with pytest.raises(
         ValueError, match=f"{WEIGHT_GRAD_GEMM_ENV_VAR}='gluon-always': expected one of auto, cublas, reduce"
     ):
-        gluon_weight_grad_rows("H100", first=False)
+        weight_grad_gemm_for("H100", 256, first=False)
 
 
 def test_adding_in_memory_without_the_bulk_reduce_names_the_setting(monkeypatch):
@@ -117,42 +130,53 @@ def test_the_planned_gemm_of_vocab_tiles_and_fp32_problems_is_cublas(monkeypatch
     assert planned_weight_grad_gemm(tiled, "H100") == planned_weight_grad_gemm(fp32, "H100") == "cublas"
 
 
-@pytest.mark.parametrize("rows, said", [(256, True), (1024, False)])
-def test_explain_says_where_the_gluon_kernel_runs(rows, said, monkeypatch):
-    monkeypatch.delenv(WEIGHT_GRAD_GEMM_ENV_VAR, raising=False)
+@pytest.mark.parametrize(
+    "rows, setting, said",
+    [(256, "auto", "that reads it while the GEMM runs"), (1024, "auto", None), (1024, "reduce", "in memory (a Gluon"),
+     (256, "cublas", None)],
+)  # fmt: skip
+def test_explain_says_where_the_gluon_kernel_runs(rows, setting, said, monkeypatch):
+    monkeypatch.setenv(WEIGHT_GRAD_GEMM_ENV_VAR, setting)
     device = DeviceInfo(
         name="NVIDIA H100 80GB HBM3", family="H100", total_memory_bytes=80 * 2**30, compute_capability=(9, 0),
         source="override",
     )  # fmt: skip
     text = FLCEPolicy(default=FixedChunkSize(rows)).explain(Problem(8192, 5376, 262144, "bfloat16"), device)
     w_grad = next(line for line in text.splitlines() if line.startswith("W grad:"))
-    assert ("on the Gluon kernel" in w_grad) == said
+    if said is None:
+        assert "Gluon" not in w_grad
+    else:
+        assert said in w_grad
 
 
 @pytest.mark.parametrize(
     "rows, first, dtype, setting, launched",
     [
-        (384, False, torch.bfloat16, "auto", True),
-        (1, False, torch.bfloat16, "auto", True),
-        (385, False, torch.bfloat16, "auto", False),  # past the rule's rows
-        (384, True, torch.bfloat16, "auto", False),  # the first chunk
-        (384, False, torch.float32, "auto", False),  # not bf16
-        (384, False, torch.bfloat16, "cublas", False),  # pinned
+        (384, False, torch.bfloat16, "auto", "read"),
+        (1, False, torch.bfloat16, "auto", "read"),
+        (385, False, torch.bfloat16, "auto", None),  # past the rule's rows
+        (384, True, torch.bfloat16, "auto", None),  # the first chunk
+        (384, False, torch.float32, "auto", None),  # not bf16
+        (384, False, torch.bfloat16, "cublas", None),  # pinned
+        (4096, False, torch.bfloat16, "reduce", "in memory"),  # pinned, any rows
+        (4096, True, torch.bfloat16, "reduce", None),  # the first chunk has nothing to add to
     ],
 )
 def test_the_driver_s_call_routes_by_the_rule(rows, first, dtype, setting, launched, monkeypatch):
     """On a GPU the rule names (a stand-in here: the kernel's launch recorded, not run), the Gluon kernel only where
-    the rule and the tensors allow; cuBLAS's path otherwise, with the product written."""
+    the rule and the tensors allow, reading the old block or adding in memory as it says; cuBLAS's path otherwise,
+    with the product written."""
     from flce_policy.kernels import weight_grad_gemm as module
 
     monkeypatch.setenv(WEIGHT_GRAD_GEMM_ENV_VAR, setting)
     monkeypatch.setattr(module, "_gluon_family", lambda device: "H100")
     calls = []
-    monkeypatch.setattr(module, "launch_weight_grad_gemm", lambda *args, **kwargs: calls.append(args))
+    record = lambda *args, add_in_memory, **kwargs: calls.append("in memory" if add_in_memory else "read")  # noqa: E731
+    monkeypatch.setattr(module, "launch_weight_grad_gemm", record)
     g, x = torch.ones(rows, 16, dtype=dtype), torch.ones(rows, 8, dtype=dtype)
     out = torch.zeros(16, 8, dtype=dtype)
     module.accumulate_weight_grad(out, g, x, first=first)
-    assert bool(calls) == launched
-    if not launched:
+    assert calls == ([] if launched is None else [launched])
+    if launched is None:
         want = torch.full((16, 8), float(rows), dtype=torch.float64)
         torch.testing.assert_close(out.double(), want, rtol=2**-8, atol=0)  # bf16 holds 385 as 384

@@ -762,9 +762,11 @@ def _collectives_note(tp: dict[str, Any], tp_size: int) -> str:
 
 
 def _gemm_note(weight_grad_gemm: str) -> str:
-    if weight_grad_gemm == "cublas":
-        return ""
-    return "; chunks after the first update it on the Gluon kernel that reads it while the GEMM runs"
+    if weight_grad_gemm == "gluon_in_memory":
+        return "; chunks after the first add their update to it in memory (a Gluon kernel, TMA's bulk reduce)"
+    if weight_grad_gemm == "gluon":
+        return "; chunks after the first update it on the Gluon kernel that reads it while the GEMM runs"
+    return ""
 
 
 def _accumulation_note(steps: int) -> str:

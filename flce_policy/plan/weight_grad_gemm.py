@@ -34,21 +34,18 @@ __all__ = [
     "GLUON_WEIGHT_GRAD_FAMILIES",
     "GLUON_WEIGHT_GRAD_MAX_ROWS",
     "WEIGHT_GRAD_GEMM_ENV_VAR",
-    "gluon_weight_grad_rows",
-    "weight_grad_added_in_memory",
     "planned_weight_grad_gemm",
+    "weight_grad_gemm_for",
     "weight_grad_gemm_setting",
 ]
 
 #: The GPU families the Gluon kernel was measured on (others keep cuBLAS until measured).
 GLUON_WEIGHT_GRAD_FAMILIES = frozenset({"H100"})
-#: The most rows a chunk after the first may have for its grad_weight to run on the Gluon kernel.
+#: The most rows a chunk after the first may have for its grad_weight to run on the Gluon kernel reading the old block.
 GLUON_WEIGHT_GRAD_MAX_ROWS = 384
 #: The environment variable that pins grad_weight's GEMM: "auto" (this rule), "cublas" or "reduce".
 WEIGHT_GRAD_GEMM_ENV_VAR = "FLCE_POLICY_WEIGHT_GRAD_GEMM"
 _SETTINGS = ("auto", "cublas", "reduce")
-#: "reduce"'s limit: every row count, on the GPU families that run the kernel (its wgmma).
-_ANY_ROWS = 2**31 - 1
 _HOPPER_FAMILIES = frozenset(gpu.family for gpu in KNOWN_GPUS if gpu.compute_capability == WGMMA_COMPUTE_CAPABILITY)
 
 
@@ -61,27 +58,27 @@ def weight_grad_gemm_setting() -> str:
     return value
 
 
-def gluon_weight_grad_rows(family: str, *, first: bool) -> int:
-    """The most chunk rows whose grad_weight GEMM runs on the Gluon kernel on a GPU of ``family``: 0 (none) for the
-    first chunk (``first``, the gradient unread), on unmeasured GPUs and wherever the setting is "cublas"; every row
-    count of a later chunk on a Hopper GPU under "reduce"."""
+def weight_grad_gemm_for(family: str, rows: int, *, first: bool) -> str:
+    """Which GEMM updates grad_weight for a chunk of ``rows`` rows on a GPU of ``family``: "cublas", "gluon" (the
+    Gluon kernel reading the old block, "auto"'s rows on the measured GPUs) or "gluon_in_memory" (the Gluon kernel
+    adding its update in memory: the setting "reduce", any rows on a Hopper GPU).
+
+    cuBLAS for the first chunk (``first``, the gradient unread), on other GPUs and wherever the setting is
+    "cublas"."""
     setting = weight_grad_gemm_setting()
-    if first or setting == "cublas":
-        return 0
+    if first or setting == "cublas" or rows < 1:
+        return "cublas"
     if setting == "reduce":
-        return _ANY_ROWS if family in _HOPPER_FAMILIES else 0
-    return GLUON_WEIGHT_GRAD_MAX_ROWS if family in GLUON_WEIGHT_GRAD_FAMILIES else 0
-
-
-def weight_grad_added_in_memory() -> bool:
-    """Whether the Gluon kernel adds its update to the old gradient by TMA's bulk reduce (setting "reduce") rather
-    than reading the old block into the SM."""
-    return weight_grad_gemm_setting() == "reduce"
+        return "gluon_in_memory" if family in _HOPPER_FAMILIES else "cublas"
+    if family not in GLUON_WEIGHT_GRAD_FAMILIES:
+        return "cublas"
+    return "gluon" if rows <= GLUON_WEIGHT_GRAD_MAX_ROWS else "cublas"
 
 
 def planned_weight_grad_gemm(geometry: Geometry, family: str, master_dtype: str | None = None) -> str:
-    """Which GEMM a call of ``geometry`` on a GPU of ``family`` runs its chunks after the first on: "gluon" (row chunks,
-    a bf16 gradient accumulated in bf16, rows within the rule; Triton's Gluon present at run time), else "cublas";
+    """Which GEMM a call of ``geometry`` on a GPU of ``family`` runs its chunks after the first on: as
+    :func:`weight_grad_gemm_for` says for its chunk rows (row chunks, a bf16 gradient accumulated in bf16; Triton's
+    Gluon present at run time), else "cublas";
     ``master_dtype`` as :meth:`Geometry.accumulator_dtype` takes it. With a grad_weight filter "cublas": its chunks
     run the filter's kernel (those a policy's rest runs dense take this rule)."""
     runs = (
@@ -90,6 +87,5 @@ def planned_weight_grad_gemm(geometry: Geometry, family: str, master_dtype: str 
         and geometry.grad_weight_filter is None
         and geometry.problem.dtype == "bfloat16"
         and geometry.accumulator_dtype(None, master_dtype) == "bfloat16"
-        and geometry.chunk_size <= gluon_weight_grad_rows(family, first=False)
     )
-    return "gluon" if runs else "cublas"
+    return weight_grad_gemm_for(family, geometry.chunk_size, first=False) if runs else "cublas"
