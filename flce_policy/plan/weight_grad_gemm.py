@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # the annotation only: geometry imports nothing of this modul
 __all__ = [
     "GLUON_WEIGHT_GRAD_FAMILIES",
     "GLUON_WEIGHT_GRAD_MAX_ROWS",
+    "IN_MEMORY_WEIGHT_GRAD_MAX_ROWS",
     "WEIGHT_GRAD_GEMM_ENV_VAR",
     "planned_weight_grad_gemm",
     "weight_grad_gemm_for",
@@ -43,6 +44,8 @@ __all__ = [
 GLUON_WEIGHT_GRAD_FAMILIES = frozenset({"H100"})
 #: The most rows a chunk after the first may have for its grad_weight to run on the Gluon kernel reading the old block.
 GLUON_WEIGHT_GRAD_MAX_ROWS = 384
+#: The most rows (past GLUON_WEIGHT_GRAD_MAX_ROWS) for the Gluon kernel adding its update in memory instead.
+IN_MEMORY_WEIGHT_GRAD_MAX_ROWS = 640
 #: The environment variable that pins grad_weight's GEMM: "auto" (this rule), "cublas" or "reduce".
 WEIGHT_GRAD_GEMM_ENV_VAR = "FLCE_POLICY_WEIGHT_GRAD_GEMM"
 _SETTINGS = ("auto", "cublas", "reduce")
@@ -58,13 +61,13 @@ def weight_grad_gemm_setting() -> str:
     return value
 
 
-def weight_grad_gemm_for(family: str, rows: int, *, first: bool) -> str:
+def weight_grad_gemm_for(family: str, rows: int, *, first: bool, in_memory_available: bool = True) -> str:
     """Which GEMM updates grad_weight for a chunk of ``rows`` rows on a GPU of ``family``: "cublas", "gluon" (the
-    Gluon kernel reading the old block, "auto"'s rows on the measured GPUs) or "gluon_in_memory" (the Gluon kernel
-    adding its update in memory: the setting "reduce", any rows on a Hopper GPU).
+    Gluon kernel reading the old block) or "gluon_in_memory" (the Gluon kernel adding its update in memory).
 
-    cuBLAS for the first chunk (``first``, the gradient unread), on other GPUs and wherever the setting is
-    "cublas"."""
+    cuBLAS for the first chunk (``first``, the gradient unread), on unmeasured GPUs and wherever the setting is
+    "cublas"; the setting "reduce" adds in memory at any rows on a Hopper GPU. Under "auto" the in-memory rows need
+    ``in_memory_available`` (the TMA bulk reduce in this Triton), else they stay on cuBLAS."""
     setting = weight_grad_gemm_setting()
     if first or setting == "cublas" or rows < 1:
         return "cublas"
@@ -72,13 +75,17 @@ def weight_grad_gemm_for(family: str, rows: int, *, first: bool) -> str:
         return "gluon_in_memory" if family in _HOPPER_FAMILIES else "cublas"
     if family not in GLUON_WEIGHT_GRAD_FAMILIES:
         return "cublas"
-    return "gluon" if rows <= GLUON_WEIGHT_GRAD_MAX_ROWS else "cublas"
+    if rows <= GLUON_WEIGHT_GRAD_MAX_ROWS:
+        return "gluon"
+    if rows <= IN_MEMORY_WEIGHT_GRAD_MAX_ROWS and in_memory_available:
+        return "gluon_in_memory"
+    return "cublas"
 
 
 def planned_weight_grad_gemm(geometry: Geometry, family: str, master_dtype: str | None = None) -> str:
     """Which GEMM a call of ``geometry`` on a GPU of ``family`` runs its chunks after the first on: as
     :func:`weight_grad_gemm_for` says for its chunk rows (row chunks, a bf16 gradient accumulated in bf16; Triton's
-    Gluon present at run time), else "cublas";
+    Gluon and its bulk reduce present at run time), else "cublas";
     ``master_dtype`` as :meth:`Geometry.accumulator_dtype` takes it. With a grad_weight filter "cublas": its chunks
     run the filter's kernel (those a policy's rest runs dense take this rule)."""
     runs = (
