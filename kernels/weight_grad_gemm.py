@@ -201,7 +201,11 @@ def accumulate_weight_grad(grad_weight: torch.Tensor, g: torch.Tensor, x: torch.
     gradient, TMA-aligned rows), else cuBLAS (:func:`.gemm.accumulate_mm`). Same result either way, up to fp32
     summation order and, added in memory, the update's own rounding to bf16."""
     family = _gluon_family(g.device)
-    gemm = "cublas" if family is None else weight_grad_gemm_for(family, g.shape[0], first=first)
+    gemm = (
+        "cublas"
+        if family is None
+        else weight_grad_gemm_for(family, g.shape[0], first=first, in_memory_available=reduce_add_available())
+    )
     if (
         gemm != "cublas"
         and grad_weight.dtype == g.dtype == x.dtype == torch.bfloat16

@@ -58,7 +58,7 @@ def test_bad_tensors_get_a_clear_error():
 
 
 @pytest.mark.parametrize("rows, first, setting", [(256, True, "auto"), (384, False, "auto"), (385, False, "auto"),
-                                                  (384, True, "auto"),
+                                                  (640, False, "auto"), (641, False, "auto"), (384, True, "auto"),
                                                   (256, False, "cublas"), (700, False, "reduce")])  # fmt: skip
 def test_the_driver_runs_it_at_the_rule_s_rows_only(rows, first, setting, monkeypatch):
     monkeypatch.setenv(WEIGHT_GRAD_GEMM_ENV_VAR, setting)
@@ -74,8 +74,10 @@ def test_the_driver_runs_it_at_the_rule_s_rows_only(rows, first, setting, monkey
     x = torch.randn(rows, 256, device="cuda").bfloat16()
     out = torch.randn(2048, 256, device="cuda").bfloat16()
     want = g.float().t() @ x.float() + (0 if first else out.float())
-    gemm = weight_grad_gemm_for(family_from_name(torch.cuda.get_device_name()), rows, first=first)
-    if gemm == "gluon_in_memory" and not module.reduce_add_available():
+    reduce_available = module.reduce_add_available()
+    family = family_from_name(torch.cuda.get_device_name())
+    gemm = weight_grad_gemm_for(family, rows, first=first, in_memory_available=reduce_available)
+    if gemm == "gluon_in_memory" and not reduce_available:
         pytest.skip("this Triton's Gluon has no TMA bulk reduce")  # before the call: the pinned launch would raise
     module.accumulate_weight_grad(out, g, x, first=first)
     assert launched == ([] if gemm == "cublas" else [gemm])

@@ -24,7 +24,9 @@ from flce_policy.strategies import FixedChunkSize
     [
         ("H100", 1, False, "gluon"),
         ("H100", 384, False, "gluon"),  # reading the old block, up to the rule's rows
-        ("H100", 385, False, "cublas"),  # past them
+        ("H100", 385, False, "gluon_in_memory"),  # past them, adding in memory
+        ("H100", 640, False, "gluon_in_memory"),
+        ("H100", 641, False, "cublas"),
         ("H100", 256, True, "cublas"),  # the first chunk: nothing to read or add to
         ("H200", 256, False, "cublas"),  # not measured there
         ("A100", 256, False, "cublas"),
@@ -36,9 +38,15 @@ def test_the_rule_by_gpu_rows_and_chunk(family, rows, first, want, monkeypatch):
     assert weight_grad_gemm_for(family, rows, first=first) == want
 
 
+def test_without_the_bulk_reduce_the_in_memory_rows_stay_on_cublas(monkeypatch):
+    monkeypatch.delenv(WEIGHT_GRAD_GEMM_ENV_VAR, raising=False)
+    assert weight_grad_gemm_for("H100", 512, first=False, in_memory_available=False) == "cublas"
+    assert weight_grad_gemm_for("H100", 256, first=False, in_memory_available=False) == "gluon"
+
+
 @pytest.mark.parametrize(
     "value, rows, want",
-    [("cublas", 256, "cublas"), (" CUBLAS ", 384, "cublas"), ("auto", 256, "gluon"), ("", 512, "cublas"),
+    [("cublas", 256, "cublas"), (" CUBLAS ", 512, "cublas"), ("auto", 256, "gluon"), ("", 512, "gluon_in_memory"),
      ("reduce", 256, "gluon_in_memory"), ("reduce", 8192, "gluon_in_memory")],
 )  # fmt: skip
 def test_the_setting_pins_a_gemm(value, rows, want, monkeypatch):
@@ -53,6 +61,8 @@ def test_reduce_pins_the_kernel_at_any_rows_on_hopper_only(family, want, monkeyp
     monkeypatch.setenv(WEIGHT_GRAD_GEMM_ENV_VAR, "reduce")
     assert weight_grad_gemm_for(family, 4096, first=False) == want
     assert weight_grad_gemm_for(family, 4096, first=True) == "cublas"  # the first chunk has nothing to add to
+    # a pin is not a rule: without the bulk reduce its launch raises (below) rather than fall back unseen
+    assert weight_grad_gemm_for(family, 4096, first=False, in_memory_available=False) == want
 
 
 def test_a_bad_setting_names_the_variable(monkeypatch):
@@ -110,7 +120,8 @@ def _geometry(rows: int, **options) -> Geometry:
     [
         (_geometry(256), "H100", None, "gluon"),
         (_geometry(384), "H100", None, "gluon"),
-        (_geometry(512), "H100", None, "cublas"),  # past the rule's rows
+        (_geometry(512), "H100", None, "gluon_in_memory"),  # past the reading rows: added in memory
+        (_geometry(1024), "H100", None, "cublas"),  # past the rule's rows
         (_geometry(256), "H200", None, "cublas"),  # not measured there
         (_geometry(8192), "H100", None, "cublas"),  # one chunk: the first chunk's GEMM only
         (_geometry(256, accum_dtype="float32"), "H100", None, "cublas"),  # an fp32 accumulator
@@ -131,12 +142,10 @@ def test_the_planned_gemm_of_vocab_tiles_and_fp32_problems_is_cublas(monkeypatch
 
 
 @pytest.mark.parametrize(
-    "rows, setting, said",
-    [(256, "auto", "that reads it while the GEMM runs"), (1024, "auto", None), (1024, "reduce", "in memory (a Gluon"),
-     (256, "cublas", None)],
-)  # fmt: skip
-def test_explain_says_where_the_gluon_kernel_runs(rows, setting, said, monkeypatch):
-    monkeypatch.setenv(WEIGHT_GRAD_GEMM_ENV_VAR, setting)
+    "rows, said", [(256, "that reads it while the GEMM runs"), (512, "in memory (a Gluon kernel"), (1024, None)]
+)
+def test_explain_says_where_the_gluon_kernel_runs(rows, said, monkeypatch):
+    monkeypatch.delenv(WEIGHT_GRAD_GEMM_ENV_VAR, raising=False)
     device = DeviceInfo(
         name="NVIDIA H100 80GB HBM3", family="H100", total_memory_bytes=80 * 2**30, compute_capability=(9, 0),
         source="override",
@@ -150,19 +159,21 @@ def test_explain_says_where_the_gluon_kernel_runs(rows, setting, said, monkeypat
 
 
 @pytest.mark.parametrize(
-    "rows, first, dtype, setting, launched",
+    "rows, first, dtype, setting, reduce_available, launched",
     [
-        (384, False, torch.bfloat16, "auto", "read"),
-        (1, False, torch.bfloat16, "auto", "read"),
-        (385, False, torch.bfloat16, "auto", None),  # past the rule's rows
-        (384, True, torch.bfloat16, "auto", None),  # the first chunk
-        (384, False, torch.float32, "auto", None),  # not bf16
-        (384, False, torch.bfloat16, "cublas", None),  # pinned
-        (4096, False, torch.bfloat16, "reduce", "in memory"),  # pinned, any rows
-        (4096, True, torch.bfloat16, "reduce", None),  # the first chunk has nothing to add to
+        (384, False, torch.bfloat16, "auto", True, "read"),
+        (1, False, torch.bfloat16, "auto", True, "read"),
+        (385, False, torch.bfloat16, "auto", True, "in memory"),  # past the reading rows
+        (640, False, torch.bfloat16, "auto", True, "in memory"),
+        (512, False, torch.bfloat16, "auto", False, None),  # no bulk reduce in this Triton: cuBLAS
+        (641, False, torch.bfloat16, "auto", True, None),  # past the rule's rows
+        (384, True, torch.bfloat16, "auto", True, None),  # the first chunk
+        (384, False, torch.float32, "auto", True, None),  # not bf16
+        (384, False, torch.bfloat16, "cublas", True, None),  # pinned
+        (4096, False, torch.bfloat16, "reduce", True, "in memory"),  # pinned, any rows
     ],
 )
-def test_the_driver_s_call_routes_by_the_rule(rows, first, dtype, setting, launched, monkeypatch):
+def test_the_driver_s_call_routes_by_the_rule(rows, first, dtype, setting, reduce_available, launched, monkeypatch):
     """On a GPU the rule names (a stand-in here: the kernel's launch recorded, not run), the Gluon kernel only where
     the rule and the tensors allow, reading the old block or adding in memory as it says; cuBLAS's path otherwise,
     with the product written."""
@@ -170,6 +181,7 @@ def test_the_driver_s_call_routes_by_the_rule(rows, first, dtype, setting, launc
 
     monkeypatch.setenv(WEIGHT_GRAD_GEMM_ENV_VAR, setting)
     monkeypatch.setattr(module, "_gluon_family", lambda device: "H100")
+    monkeypatch.setattr(module, "reduce_add_available", lambda: reduce_available)
     calls = []
     record = lambda *args, add_in_memory, **kwargs: calls.append("in memory" if add_in_memory else "read")  # noqa: E731
     monkeypatch.setattr(module, "launch_weight_grad_gemm", record)

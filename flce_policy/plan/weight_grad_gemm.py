@@ -7,17 +7,20 @@ work, but its main loop (128x128 tiles) runs slower than cuBLAS's once n grows. 
 H100 80GB HBM3 against cuBLAS: 0.77x at 128 rows, 0.74-0.81x at 256, 0.79x at 384, 0.96-0.98x at 512, 1.15x at
 640, 1.39-1.42x at 1024 (V x H = 262144 x 5376; 0.74-0.96x from 128 to 512 rows and 1.16x at 640 at 128256 x 4096).
 In the loss it pays up to 384 rows (8-13% faster at 384-row chunks of 8192x5376x262144 and 32768x4096x128256); at 512
-its gain per chunk is lost (-1.0% to +1.4% against cuBLAS in four runs): the rule stops at 384.
+its gain per chunk is lost (-1.0% to +1.4% against cuBLAS in four runs): reading stops at 384.
 The first chunk, with nothing to read, stays on cuBLAS (0.86-1.19x either way up to 512 rows). The chunk's geometry
 is the same either way: this picks an implementation of one GEMM, not the rows or the memory. Raw output:
 results/2026-12-05-h100/README.md (``weight_grad_gemm_bench``).
 
+Past 384 rows, up to 640, the Gluon kernel adds its update to the gradient in memory instead, by TMA's bulk reduce
+(the SMs never read the gradient; cuBLAS where this Triton lacks it). On an H100, two runs, per chunk against cuBLAS:
+1.05x at 256 rows, 0.98x at 384, 0.91-0.92x at 512, 0.94x at 640, 1.00-1.07x at 768, 1.14x at 1024 (262144 x 5376;
+0.96-0.97x at 512-640 rows at 128256 x 4096); in the loss at 512- and 640-row chunks of 8192x5376x262144 and
+32768x4096x128256 0.5-3.7% faster than cuBLAS on both slabs (eight pairs, one run).
+
 ``FLCE_POLICY_WEIGHT_GRAD_GEMM=cublas`` keeps every chunk on cuBLAS (``auto``, the default: this rule);
-``reduce`` runs every chunk after the first, at any rows, on the Gluon kernel with its update added to the old
-gradient by TMA's bulk reduce (on any Hopper GPU whose Triton has it), the SMs never reading the gradient. Measured
-on an H100 (one run; the rule does not use it yet): per chunk 1.05x cuBLAS at 256 rows, 0.98x at 384, 0.92x at 512,
-1.00x at 768, 1.14x at 1024; in the loss at 512-row chunks of 8192x5376x262144 1.192x the floor on the logits slab
-(cuBLAS 1.221x) and 1.172x on the row-scaled one (cuBLAS 1.181x, this rule 1.174x); at 256 and 1024 rows slower.
+``reduce`` adds in memory at every chunk after the first, at any rows, on any Hopper GPU whose Triton has the bulk
+reduce.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ if TYPE_CHECKING:  # the annotation only: geometry imports nothing of this modul
 __all__ = [
     "GLUON_WEIGHT_GRAD_FAMILIES",
     "GLUON_WEIGHT_GRAD_MAX_ROWS",
+    "IN_MEMORY_WEIGHT_GRAD_MAX_ROWS",
     "WEIGHT_GRAD_GEMM_ENV_VAR",
     "planned_weight_grad_gemm",
     "weight_grad_gemm_for",
@@ -43,6 +47,8 @@ __all__ = [
 GLUON_WEIGHT_GRAD_FAMILIES = frozenset({"H100"})
 #: The most rows a chunk after the first may have for its grad_weight to run on the Gluon kernel reading the old block.
 GLUON_WEIGHT_GRAD_MAX_ROWS = 384
+#: The most rows (past GLUON_WEIGHT_GRAD_MAX_ROWS) for the Gluon kernel adding its update in memory instead.
+IN_MEMORY_WEIGHT_GRAD_MAX_ROWS = 640
 #: The environment variable that pins grad_weight's GEMM: "auto" (this rule), "cublas" or "reduce".
 WEIGHT_GRAD_GEMM_ENV_VAR = "FLCE_POLICY_WEIGHT_GRAD_GEMM"
 _SETTINGS = ("auto", "cublas", "reduce")
@@ -58,13 +64,13 @@ def weight_grad_gemm_setting() -> str:
     return value
 
 
-def weight_grad_gemm_for(family: str, rows: int, *, first: bool) -> str:
+def weight_grad_gemm_for(family: str, rows: int, *, first: bool, in_memory_available: bool = True) -> str:
     """Which GEMM updates grad_weight for a chunk of ``rows`` rows on a GPU of ``family``: "cublas", "gluon" (the
-    Gluon kernel reading the old block, "auto"'s rows on the measured GPUs) or "gluon_in_memory" (the Gluon kernel
-    adding its update in memory: the setting "reduce", any rows on a Hopper GPU).
+    Gluon kernel reading the old block) or "gluon_in_memory" (the Gluon kernel adding its update in memory).
 
-    cuBLAS for the first chunk (``first``, the gradient unread), on other GPUs and wherever the setting is
-    "cublas"."""
+    cuBLAS for the first chunk (``first``, the gradient unread), on unmeasured GPUs and wherever the setting is
+    "cublas"; the setting "reduce" adds in memory at any rows on a Hopper GPU. Under "auto" the in-memory rows need
+    ``in_memory_available`` (the TMA bulk reduce in this Triton), else they stay on cuBLAS."""
     setting = weight_grad_gemm_setting()
     if first or setting == "cublas" or rows < 1:
         return "cublas"
@@ -72,13 +78,17 @@ def weight_grad_gemm_for(family: str, rows: int, *, first: bool) -> str:
         return "gluon_in_memory" if family in _HOPPER_FAMILIES else "cublas"
     if family not in GLUON_WEIGHT_GRAD_FAMILIES:
         return "cublas"
-    return "gluon" if rows <= GLUON_WEIGHT_GRAD_MAX_ROWS else "cublas"
+    if rows <= GLUON_WEIGHT_GRAD_MAX_ROWS:
+        return "gluon"
+    if rows <= IN_MEMORY_WEIGHT_GRAD_MAX_ROWS and in_memory_available:
+        return "gluon_in_memory"
+    return "cublas"
 
 
 def planned_weight_grad_gemm(geometry: Geometry, family: str, master_dtype: str | None = None) -> str:
     """Which GEMM a call of ``geometry`` on a GPU of ``family`` runs its chunks after the first on: as
     :func:`weight_grad_gemm_for` says for its chunk rows (row chunks, a bf16 gradient accumulated in bf16; Triton's
-    Gluon present at run time), else "cublas";
+    Gluon and its bulk reduce present at run time), else "cublas";
     ``master_dtype`` as :meth:`Geometry.accumulator_dtype` takes it. With a grad_weight filter "cublas": its chunks
     run the filter's kernel (those a policy's rest runs dense take this rule)."""
     runs = (
