@@ -6,7 +6,8 @@
 - per chunk (``--gemm``, ``--rows``): ``grad_weight (+)= G.T @ x_c`` for a chunk of N rows, cuBLAS's beta=1 GEMM
   (a chunk after the first), its beta=0 GEMM (the first) and the Gluon kernel
   (:mod:`flce_policy.kernels.weight_grad_gemm`, accumulating: reading the old block, ``gluon``, and adding in
-  memory, ``gluon_in_memory``), each timed alone behind a busy start;
+  memory, ``gluon_in_memory``; writing as for the first chunk, ``gluon_beta0``, its main loop against cuBLAS's
+  beta=0 GEMM), each timed alone behind a busy start;
 - in the loss (``--loss``, ``--chunks``): fixed chunks on the logits and the row-scaled slab, each with
   ``FLCE_POLICY_WEIGHT_GRAD_GEMM`` at ``auto`` (the rule: :mod:`flce_policy.plan.weight_grad_gemm`), at
   ``cublas`` and at ``reduce``, and the three-GEMM floor, interleaved (each round starting one row later), busy
@@ -46,8 +47,8 @@ SETTINGS = ("auto", "cublas", "reduce")
 
 def chunk_gemms(vocab: int, hidden: int, rows: int, *, device: str = "cuda") -> tuple[dict[str, Step], tuple]:
     """One chunk's grad_weight GEMM, each way: ``cublas_beta1``, ``cublas_beta0``, ``gluon`` and ``gluon_in_memory``
-    (accumulating; raise where the kernel cannot run), and the tensors they use: random bf16 ``G [rows, V]``,
-    ``x [rows, H]`` and the ``[V, H]`` gradient they write."""
+    (accumulating) and ``gluon_beta0`` (writing; the Gluon rows raise where the kernel cannot run), and the tensors
+    they use: random bf16 ``G [rows, V]``, ``x [rows, H]`` and the ``[V, H]`` gradient they write."""
     gen = torch.Generator(device=device).manual_seed(0)
     g = torch.randn(rows, vocab, device=device, generator=gen, dtype=torch.bfloat16) * 0.01
     x = torch.randn(rows, hidden, device=device, generator=gen, dtype=torch.bfloat16)
@@ -57,6 +58,7 @@ def chunk_gemms(vocab: int, hidden: int, rows: int, *, device: str = "cuda") -> 
         "cublas_beta0": lambda: accumulate_mm(grad_weight, g.t(), x, first=True),
         "gluon": lambda: weight_grad_gemm(grad_weight, g, x, first=False),
         "gluon_in_memory": lambda: weight_grad_gemm(grad_weight, g, x, first=False, add_in_memory=True),
+        "gluon_beta0": lambda: weight_grad_gemm(grad_weight, g, x, first=True),
     }
     return steps, (g, x, grad_weight)
 

@@ -20,7 +20,7 @@ def test_the_per_chunk_gemms_write_the_product():
     torch.testing.assert_close(grad_weight.double(), product, rtol=2**-7, atol=1e-3)
     steps["cublas_beta1"]()
     torch.testing.assert_close(grad_weight.double(), 2 * product, rtol=2**-7, atol=2e-3)
-    for name in ("gluon", "gluon_in_memory"):
+    for name in ("gluon", "gluon_in_memory", "gluon_beta0"):
         with pytest.raises(ValueError, match="one CUDA device"):  # the Gluon kernel's rows say why they did not run
             steps[name]()
 
