@@ -17,6 +17,9 @@ Past 384 rows, up to 640, the Gluon kernel adds its update to the gradient in me
 1.05x at 256 rows, 0.98x at 384, 0.91-0.92x at 512, 0.94x at 640, 1.00-1.07x at 768, 1.14x at 1024 (262144 x 5376;
 0.96-0.97x at 512-640 rows at 128256 x 4096); in the loss at 512- and 640-row chunks of 8192x5376x262144 and
 32768x4096x128256 0.5-3.7% faster than cuBLAS on both slabs (eight pairs, one run).
+The kernel's main loop alone (writing, as for a first chunk) runs 0.88x cuBLAS's beta=0 GEMM at 256 rows, 1.08x at
+512 and 1.11x at 640 (one run): at 256 rows the bulk reduce limits the add (2.97 ms against 1.26 ms written), at 640
+the main loop does (2.97 against 2.94). 64x256 tiles ran 1.2-1.7x cuBLAS's beta=0 time, 5 stages no faster.
 
 ``FLCE_POLICY_WEIGHT_GRAD_GEMM=cublas`` keeps every chunk on cuBLAS (``auto``, the default: this rule);
 ``reduce`` adds in memory at every chunk after the first, at any rows, on any Hopper GPU whose Triton has the bulk
