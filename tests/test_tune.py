@@ -539,7 +539,12 @@ def test_calibration_refuses_what_it_cannot_fit(samples, fragment):
         # the H100's measured slab-form terms go with the calibrated rates (a rates mapping starts from the defaults)
         (
             "H100",
-            {"scaled_exp_gemm_efficiency": 1.0, "scaled_exp_epilogue_flops": 600.0, "scaled_exp_chunk_overhead": 1e-13},
+            {
+                "scaled_exp_gemm_efficiency": 1.0,
+                "scaled_exp_epilogue_flops": 600.0,
+                "scaled_exp_chunk_overhead": 1e-13,
+                "ws_gemm_efficiency": 0.8,
+            },
         ),
     ],
 )

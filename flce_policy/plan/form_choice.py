@@ -36,10 +36,10 @@ __all__ = [
 ]
 
 #: The largest hidden size at which the warp-specialised GEMM beats the Triton GEMM, per GPU family (sm_90).
-#: H200: MEASURED, 0.990x -> 0.992x the floor at H=3072, slower from H=4096. H100: MEASURED, 0 (never): slower than
-#: the Triton GEMM at 5 of the 6 small heads (docs/results.md, "Slab forms"); the H800, its chip, DERIVED from it.
-#: Every other Hopper: the H200's.
-WS_MAX_HIDDEN: dict[str, int] = {"H200": 3072, "H100": 0, "H800": 0}
+#: H200: MEASURED, 0.990x -> 0.992x the floor at H=3072, slower from H=4096. H100: MEASURED, 1.3-2.1% faster in the
+#: loss at H = 896-1152 (busy start), even at 2048, 2% slower at 3072 (docs/results.md, "H100: the packaged rule");
+#: the H800, its chip, DERIVED from it. Every other Hopper: the H200's.
+WS_MAX_HIDDEN: dict[str, int] = {"H200": 3072, "H100": 1152, "H800": 1152}
 _WS_MAX_HIDDEN_DERIVED = 3072
 #: Ties (within a nanosecond) go to the form listed first.
 _PREFERENCE = ("scaled_exp_ws", "scaled_exp_rows", "logits")
@@ -69,8 +69,6 @@ def _why_not_ws(geometry: Geometry, device: DeviceInfo) -> str | None:
     if capability is not None and capability != WS_COMPUTE_CAPABILITY:
         return f"the warp-specialised GEMM is Hopper's (sm_90), not sm_{capability[0]}{capability[1]}"
     limit = ws_max_hidden(device)
-    if limit == 0:
-        return f"the warp-specialised GEMM does not win on {device.family} (measured)"
     if geometry.problem.hidden > limit:
         return f"H={geometry.problem.hidden} is above {limit}, where the warp-specialised GEMM stops winning"
     return None
