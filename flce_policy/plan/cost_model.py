@@ -116,10 +116,10 @@ def _derived(dense_tflops: float, hbm_tbs: float) -> DeviceRates:
 
 # H100: DERIVED rates; the scaled-exp terms FITTED to its sweep of both forms at 256 rows to one chunk, the nine bench
 # shapes (results/2026-12-05-h100, ``slab_forms_2026_12_06``): the faster form at 53 of 54, 0.7 ms lost, the two
-# forms' time ratio within 1.8% on average (5.8% at worst). The Gluon GEMM's share FITTED to the loss as those terms
-# are: one chunk on it 1.4-2.1% faster than on the Triton GEMM at H = 896-1152 (busy start, 2026-12-07), which 0.8
-# predicts at all three (the GEMM alone runs at 0.91 of cuBLAS's rate, as fast as the Triton GEMM without its epilogue
-# term)
+# forms' time ratio within 1.8% on average (5.8% at worst). ``ws_gemm_efficiency`` FITTED to the loss as those terms
+# are: one chunk on the Gluon GEMM 1.4-2.1% faster than on the Triton GEMM at H = 896-1152 (busy start, 2026-12-07),
+# which 0.8 predicts at all three. The GEMM alone runs at 0.91 of cuBLAS's rate; the rest of 0.8 is what the form
+# costs beyond its GEMM, which the Triton form's fitted epilogue term holds for it.
 _H100 = _derived(989, 3.35)._replace(
     scaled_exp_gemm_efficiency=1.0,
     scaled_exp_epilogue_flops=600.0,
