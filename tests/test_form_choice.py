@@ -128,8 +128,8 @@ def test_blackwell_runs_the_triton_form_never_the_hopper_only_gemm():
 
 
 def test_each_hopper_runs_the_warp_specialised_gemm_up_to_its_measured_hidden_size():
+    small = Geometry.for_problem(SMALL_HEAD, 4096)
     for family in ("H100", "H800", "H200"):  # the H800 is the H100's chip: its measurements stand for it
-        small = Geometry.for_problem(SMALL_HEAD, 4096)
         assert slab_form_candidates(small, DeviceInfo.synthetic(family))["scaled_exp_ws"] is None
     wider = Geometry.for_problem(WIDER_HEAD, 4096)
     for family in ("H100", "H800"):

@@ -39,7 +39,8 @@ __all__ = [
 #: H200: MEASURED, 0.990x -> 0.992x the floor at H=3072, slower from H=4096. H100: MEASURED, 1.3-2.1% faster in the
 #: loss at H = 896-1152 (busy start), even at 2048, 2% slower at 3072 (docs/results.md, "H100: the packaged rule");
 #: the H800, its chip, DERIVED from it. Every other Hopper: the H200's.
-WS_MAX_HIDDEN: dict[str, int] = {"H200": 3072, "H100": 1152, "H800": 1152}
+_H100_WS_MAX_HIDDEN = 1152
+WS_MAX_HIDDEN: dict[str, int] = {"H200": 3072, "H100": _H100_WS_MAX_HIDDEN, "H800": _H100_WS_MAX_HIDDEN}
 _WS_MAX_HIDDEN_DERIVED = 3072
 #: Ties (within a nanosecond) go to the form listed first.
 _PREFERENCE = ("scaled_exp_ws", "scaled_exp_rows", "logits")
