@@ -41,7 +41,7 @@ __all__ = [
 #: the H800, its chip, DERIVED from it. Every other Hopper: the H200's.
 _H100_WS_MAX_HIDDEN = 1152
 WS_MAX_HIDDEN: dict[str, int] = {"H200": 3072, "H100": _H100_WS_MAX_HIDDEN, "H800": _H100_WS_MAX_HIDDEN}
-_WS_MAX_HIDDEN_DERIVED = 3072
+_WS_MAX_HIDDEN_DERIVED = WS_MAX_HIDDEN["H200"]
 #: Ties (within a nanosecond) go to the form listed first.
 _PREFERENCE = ("scaled_exp_ws", "scaled_exp_rows", "logits")
 
