@@ -67,8 +67,8 @@ class Geometry(BaseModel):
         description="each row chunk's grad_weight GEMM (and grad_bias) on a second CUDA stream beside its grad_input "
         "GEMM: both only read the slab, and grad_weight's read-modify-write of [V, H] is memory-bound where "
         "grad_input's GEMM is compute-bound, so the two may overlap at no memory cost; row-only geometry on the "
-        "logits slab without a grad_weight filter; off by default (H100, 8192x5376x262144: no gain at 256-512 rows, "
-        "4% at 1024; docs/results.md); serial (the same results) on CPU",
+        "logits slab without a grad_weight filter; off by default (no gain at 256-512 rows on the H100: "
+        "docs/results.md); serial (the same results) on CPU",
     )
     strategy: str = Field(default="manual", description="the strategy (with its parameters) that produced it")
     rule: str | None = Field(default=None, description="the policy rule that chose the strategy, if any")
