@@ -383,7 +383,7 @@ def default_methods(
     # the same rows on the other slab forms (bf16): where the forms cross over, and the engine's choice among them
     for form in ("scaled_exp_rows", "scaled_exp_ws", None):
         methods += fixed_chunk_methods(chunk_sizes, "bf16", form)
-    # the logits rows with grad_weight's GEMM on a side stream (unmeasured: the next GPU run compares them)
+    # the logits rows with grad_weight's GEMM on a side stream, against the same rows serial
     methods += overlap_chunk_methods(chunk_sizes)
     # Vocab-tiled, one row chunk: each grad_weight slice written once (fp32-accurate, bf16 memory).
     for vocab_chunk in vocab_chunks:

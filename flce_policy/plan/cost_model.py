@@ -37,9 +37,9 @@ Terms (seconds), each traced to measurements on the H200 (results/2026-11-29-h20
   all-reduce's ``2 (n - 1) / n`` of its bytes at ``link_bytes_per_s``. These two rates are
   ASSUMED (NVLink-class all-reduce bus bandwidth and small-message latency), not yet measured.
 Not modelled: ``geometry.overlap_weight_grad`` (grad_weight's GEMM on a second CUDA stream beside grad_input's) is
-priced as the serial call until a GPU run measures what it hides; so is the Gluon grad_weight GEMM that hides part
-of the read-modify-write at chunks of up to 640 rows on the H100 (:mod:`flce_policy.plan.weight_grad_gemm`; the
-loss 8-13% faster at 256-384-row chunks, 0.5-3.7% at 512-640).
+priced as the serial call (no gain at 256-512 rows on the H100: results/2026-12-05-h100, ``small_slab_schedules``);
+so is the Gluon grad_weight GEMM that hides part of the read-modify-write at chunks of up to 640 rows on the H100
+(:mod:`flce_policy.plan.weight_grad_gemm`; the loss 8-13% faster at 256-384-row chunks, 0.5-3.7% at 512-640).
 At 8192x5376x262144 this predicts 140 / 106 / 102 ms for 256 / 2048 / 8192-row chunks and
 137 ms for 8192-column vocab tiles, against 146 / 107 / 104 and 143 ms measured on the H200
 (results/2026-11-29-h200-vocab-tiled); tests/test_fastest.py holds every measured row
