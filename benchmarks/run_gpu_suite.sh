@@ -7,7 +7,7 @@
 # may come as split parts) when it is not importable, without them its rows say it is not installed; smallheads-busy: the same
 # shapes for the default, both picks at Liger C=16's peak, QuACK and Liger C=16 and C=1 with bench --busy-start, and
 # the accuracy table; smallheads-sustained: the default, QuACK and Liger C=16 at the shape sets of $SUSTAINED_SHAPES
-# (default both) with bench --sustained 1.5, calls back to back as in training — the H100's table in the README)
+# (default both) with bench --sustained 1.5, calls back to back as in training — the README's tables)
 # (compile: the torch.compile GPU tests and benchmarks/compile_bench.py alone; hf: the HF step
 # benchmark and the 50-step check; sharded: FSDP2 / ZeRO-3 on one GPU and the saturation scenario,
 # with DeepSpeed's wheels in .whl/ds/ — see docs/fsdp-zero3.md; trained: train the small Llama of
