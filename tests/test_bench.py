@@ -806,6 +806,37 @@ def test_chunk_gemm_bound_runs_a_chunked_pass_under_each_schedule(options):
     torch.testing.assert_close(grad_weight.double(), logits.t() @ x.double(), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("ring", [False, True])
+@pytest.mark.parametrize(("chunk", "groups"), [(4, 1), (4, 2), (4, 3), (2, 4), (3, 5), (6, 7), (3, 3)])
+def test_chunk_gemm_bound_staggered_update_takes_every_chunks_columns_once(chunk, groups, ring):
+    """Chunks of ``chunk`` rows (the last one short where it does not divide 20), grad_weight updated a vocab group
+    (uneven where it does not divide 168) at a time over up to ``groups`` chunks, the last ones flushed: the full
+    products come out, each chunk's logits counted once."""
+    from flce_policy.benchmarks.chunk_gemm_bound import staggered_gemms
+    from flce_policy.benchmarks.methods import Inputs
+
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(20, 8, generator=gen), torch.randn(168, 8, generator=gen)
+    inputs = Inputs(x, w, torch.zeros(20, dtype=torch.int64))
+    step, grad_input, grad_weight = staggered_gemms(inputs, chunk, groups, ring=ring)
+    step()
+    logits = x.double() @ w.double().t()
+    torch.testing.assert_close(grad_input.double(), logits @ w.double(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(grad_weight.double(), logits.t() @ x.double(), rtol=1e-5, atol=1e-4)
+
+
+def test_chunk_gemm_bound_staggered_update_refuses_groups_it_cannot_cut():
+    from flce_policy.benchmarks.chunk_gemm_bound import staggered_gemms, staggered_rows
+    from flce_policy.benchmarks.methods import Inputs
+
+    inputs = Inputs(torch.zeros(20, 8), torch.zeros(32, 8), torch.zeros(20, dtype=torch.int64))
+    with pytest.raises(ValueError, match="stagger=5 needs 1 to V / 8 = 4 groups"):
+        staggered_gemms(inputs, 4, 5)
+    with pytest.raises(ValueError, match="chunk_size must be positive, got 0"):
+        staggered_gemms(inputs, 0, 2)
+    assert staggered_rows(256, 3) == 512  # a 256-row chunk and the columns still waiting: a 512-row slab's bytes
+
+
 def test_chunk_gemm_bound_refuses_a_split_that_does_not_divide_the_vocab():
     from flce_policy.benchmarks.chunk_gemm_bound import chunk_gemms
     from flce_policy.benchmarks.methods import Inputs
