@@ -17,7 +17,8 @@
 # CONVERGENCE_STEPS steps each, at CONVERGENCE_FILTER (default 2**-12), with CONVERGENCE_RESCUE's rescue if set;
 # overlap: the logits rows at 256, 512, 1024 and 2048 rows with and without grad_weight's GEMM on a side stream
 # (Geometry.overlap_weight_grad), with bench --busy-start, interleaved, 7 repeats, at 8192x5376x262144 and
-# 32768x5376x262144, then tests/test_gpu_overlap_weight_grad.py, benchmarks/chunk_gemm_bound.py and profile_chunks.py;
+# 32768x5376x262144, then tests/test_gpu_overlap_weight_grad.py, benchmarks/chunk_gemm_bound.py (with --stagger 3) and
+# profile_chunks.py;
 # weightgrad: benchmarks/weight_grad_gemm_bench.py (grad_weight's GEMM per chunk and in the loss, Gluon against cuBLAS)
 # and tests/test_gpu_weight_grad_gemm.py; measured: benchmarks/measured_policy.py's checks,
 # the nine shapes and the first calls, with this GPU's rules removed; measured-first: the first calls alone)
@@ -138,6 +139,9 @@ while [ $# -gt 0 ]; do
       # the GEMMs alone at the same chunks: serial, overlapped, grad_input split over vocab slices (a lower bound each)
       python3 -m flce_policy.benchmarks.chunk_gemm_bound 8192x5376x262144 256 512 1024 2048 --busy-start 2>&1 \
         | tee "$out/chunk_gemm_bound.log" || status=1
+      # and grad_weight's update staggered over 3 vocab groups (K 3 chunks, 2 chunks of logits held), sustained
+      python3 -m flce_policy.benchmarks.chunk_gemm_bound 8192x5376x262144 128 256 512 1024 --split-k --stagger 3 \
+        --sustained 1.5 2>&1 | tee "$out/chunk_gemm_stagger.log" || status=1
       python3 -m flce_policy.benchmarks.profile_chunks 8192x5376x262144 256 512 2048 2>&1 | tee "$out/profile_chunks.log" || status=1
       shift ;;
     weightgrad)
