@@ -16,11 +16,10 @@ logits-slab chunk runs (no cross-entropy kernel: the logits stand in for dL/dlog
   chunks, so each chunk's columns wait at most S - 1 chunks and ``[V, H]`` is read and written once per S
   chunks. A kernel built this way holds a chunk plus the columns still waiting: ``(S + 1) / 2`` chunks of
   logits, against S for a chunk of S x CHUNK rows. Here each group keeps its own buffer of S chunks (more
-  memory than that design, the same GEMMs); the logits and grad_input GEMMs run per group;
+  memory than that design, the same GEMMs); the logits and grad_input GEMMs run per group. ``--stagger 3`` at
+  256 rows: 512 rows' logits held, a 512-row slab's bytes, and ``[V, H]`` updated every 768 rows;
 - ``stagger{S}+ring``: the same, the chunks whole in a ring of S (S chunks' memory), so that the logits and
   grad_input GEMMs are one each: what a kernel addressing the held blocks could reach.
-  ``explain``-style slab arithmetic: ``--stagger 3`` at 256 rows holds 512 rows' logits, a 512-row slab's bytes,
-  and updates ``[V, H]`` every 768 rows.
 
 A lower bound on each schedule of the driver, to tell which to build before building it. Why a small slab is
 slow: each chunk's grad_weight GEMM reads and writes the whole ``[V, H]`` gradient; grad_input's leaves SMs idle.
@@ -29,6 +28,7 @@ slow: each chunk's grad_weight GEMM reads and writes the whole ``[V, H]`` gradie
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from collections.abc import Callable, Sequence
 
@@ -203,34 +203,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     inputs = make_inputs(*args.shape, logit_std=4.0)
     floor_ms = measure(gemm_floor(inputs), **timing).median_ms
     print(f"{format_shape(args.shape)}: three-GEMM floor {floor_ms:.2f} ms")
+    row_bytes = inputs.weight.shape[0] * inputs.x.element_size()
     for chunk in args.chunks:
-        for label, options in schedules(args.split_k):
+        rows = [
+            (label, functools.partial(chunk_gemms, inputs, chunk, **options), "")
+            for label, options in schedules(args.split_k)
+        ]
+        for groups in args.stagger:
+            held_mib = staggered_rows(chunk, groups) * row_bytes / 2**20
+            note = f" (K {groups * chunk} rows, a kernel holding {held_mib:.0f} MiB of logits)"
+            for ring in (False, True):
+                build = functools.partial(staggered_gemms, inputs, chunk, groups, ring=ring)
+                rows.append((f"stagger{groups}{'+ring' if ring else ''}", build, note))
+        for label, build, note in rows:
             try:
-                step = chunk_gemms(inputs, chunk, **options)[0]
+                step = build()[0]
             except ValueError as err:
                 print(f"  {chunk} rows, {label}: not run ({err})")
                 continue
             ms = measure(step, **timing).median_ms
-            print(f"  {chunk} rows, {label}: {ms:.2f} ms = {ms / floor_ms:.3f}x the floor", flush=True)
+            print(f"  {chunk} rows, {label}{note}: {ms:.2f} ms = {ms / floor_ms:.3f}x the floor", flush=True)
             del step
             torch.cuda.empty_cache()
-        for groups in args.stagger:
-            for ring in (False, True):
-                label = f"stagger{groups}{'+ring' if ring else ''}"
-                try:
-                    step = staggered_gemms(inputs, chunk, groups, ring=ring)[0]
-                except ValueError as err:
-                    print(f"  {chunk} rows, {label}: not run ({err})")
-                    continue
-                ms = measure(step, **timing).median_ms
-                held_mib = staggered_rows(chunk, groups) * inputs.weight.shape[0] * inputs.x.element_size() / 2**20
-                print(
-                    f"  {chunk} rows, {label} (K {groups * chunk} rows, a kernel holding {held_mib:.0f} MiB of "
-                    f"logits): {ms:.2f} ms = {ms / floor_ms:.3f}x the floor",
-                    flush=True,
-                )
-                del step
-                torch.cuda.empty_cache()
     return 0
 
 

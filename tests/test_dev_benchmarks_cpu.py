@@ -1,4 +1,5 @@
-"""The GPU-only development benchmarks' setup on CPU: compile_bench, profile_chunks, quick and tune_ce_kernel.
+"""The GPU-only development benchmarks' setup on CPU: chunk_gemm_bound, compile_bench, profile_chunks, quick and
+tune_ce_kernel.
 
 Their timing (CUDA events, the CUDA profiler, ``triton.testing.do_bench``) needs a GPU; what they time is
 built here at small shapes and run once under the Triton interpreter, so that a change to what they
@@ -13,12 +14,30 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flce_policy.benchmarks import compile_bench, profile_chunks, quick, suite, tune_ce_kernel
+from flce_policy.benchmarks import chunk_gemm_bound, compile_bench, profile_chunks, quick, suite, tune_ce_kernel
 from flce_policy.benchmarks.measure import Measurement
 from flce_policy.benchmarks.methods import make_inputs
 from flce_policy.kernels import ce_kernel
 
 SHAPE = (64, 32, 256)  # BT, H, V
+
+
+def test_chunk_gemm_bound_times_every_schedule_at_each_chunk(monkeypatch, capsys):
+    calls = []
+
+    def run_once(step, **timing):
+        calls.append(timing)
+        step()
+        return Measurement((1.0,), 0)
+
+    monkeypatch.setattr(chunk_gemm_bound, "make_inputs", functools.partial(make_inputs, device="cpu"))
+    monkeypatch.setattr(chunk_gemm_bound, "measure", run_once)
+    chunk_gemm_bound.main(["64x32x256", "16", "24", "--split-k", "2", "--stagger", "3", "--sustained", "0.5"])
+    rows = [line.split(":")[0].strip() for line in capsys.readouterr().out.splitlines()[1:]]
+    labels = ["serial", "overlap", "split_k2", "split_k2+overlap", "stagger3", "stagger3+ring"]
+    assert [row.split(" (")[0] for row in rows] == [f"{c} rows, {label}" for c in (16, 24) for label in labels]
+    assert "16 rows, stagger3 (K 48 rows, a kernel holding 0 MiB of logits)" in rows
+    assert calls == [{"busy_start": False, "sustained_s": 0.5}] * (1 + len(rows))  # the floor first
 
 
 def test_compile_bench_builds_every_form_and_each_runs(monkeypatch):
